@@ -1,0 +1,1237 @@
+# Owner(s): ["oncall: distributed"]
+"""
+Tests for the value-based FSDP2 policy API (pytorch/pytorch#203177):
+``FSDPPolicy``, ``FSDPModule.get_fsdp_policy``, ``FSDPModule.set_fsdp_policy``
+and ``FSDPModule.fsdp_policy``.
+
+Every multi-process test runs gloo on CPU through ``GlooMultiProcessTestCase``
+(``FSDPTest`` skips every test on a CPU-only machine in torch 2.15.0).
+"""
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import enum
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementResult,
+)
+from torch.distributed.tensor import Shard
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+from fsdp_lifecycle_testing import (  # noqa: E402
+    CollectiveCounter,
+    GlooMultiProcessTestCase,
+)
+
+
+DIM = 8
+NUM_MICROBATCHES = 3
+
+
+# ---------------------------------------------------------------------------
+# Models and helpers
+# ---------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Model(nn.Module):
+    """``embed -> body (blocks) -> norm -> lm_head``."""
+
+    def __init__(self, dim: int = DIM, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.body = nn.Sequential(*[Block(dim) for _ in range(num_blocks)])
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.body(self.embed(x))))
+
+
+_UNSET: Any = object()
+
+
+def _shard(
+    model: Model,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: Any = None,
+    root_reshard_after_forward: Any = _UNSET,
+    shard_body: bool = False,
+    group_head: bool = False,
+) -> Model:
+    """
+    ``fully_shard`` each block, optionally the parameterless ``body`` container
+    and the grouped ``[norm, lm_head]``, then the root.
+    """
+    for block in model.body:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if shard_body:
+        fully_shard(model.body, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if group_head:
+        fully_shard(
+            [model.norm, model.lm_head],
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+        )
+    if root_reshard_after_forward is _UNSET:
+        root_reshard_after_forward = reshard_after_forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard_after_forward)
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _states(model: nn.Module) -> list[Any]:
+    states: dict[Any, None] = {}
+    for module in _fsdp_modules(model):
+        states.setdefault(module._get_fsdp_state(), None)
+    return list(states)
+
+
+def _groups(model: nn.Module) -> list[Any]:
+    return [g for state in _states(model) for g in state._fsdp_param_groups]
+
+
+def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
+    return {
+        name: module.get_fsdp_policy()
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+    }
+
+
+# Values compared with ``==``; everything else is compared by identity
+_PLAIN_TYPES = (bool, int, float, str, bytes, type(None), enum.Enum)
+_CONTAINER_TYPES = (list, tuple, dict, set, frozenset)
+
+
+def _freeze(value: Any, depth: int = 0) -> tuple:
+    """
+    Freezes ``value`` for comparison: plain values by value, containers by
+    identity and (shallowly, recursively) by their items, and any other object
+    (tensors, meshes, mesh infos, process groups, hook handles, ...) by
+    identity. The snapshot holds references, so identities stay valid.
+    """
+    if isinstance(value, _PLAIN_TYPES):
+        return ("plain", type(value), value)
+    if type(value) in _CONTAINER_TYPES and depth < 4:
+        if isinstance(value, dict):
+            items = tuple(
+                (_freeze(k, depth + 1), _freeze(v, depth + 1))
+                for k, v in value.items()
+            )
+        elif isinstance(value, (set, frozenset)):
+            items = tuple(sorted((_freeze(v, depth + 1) for v in value), key=repr))
+        else:
+            items = tuple(_freeze(v, depth + 1) for v in value)
+        return ("container", value, items)
+    return ("object", value)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "plain":
+        return a[1] is b[1] and a[2] == b[2]
+    if a[0] == "object":
+        return a[1] is b[1]
+    if a[1] is not b[1] or len(a[2]) != len(b[2]):
+        return False
+    for x, y in zip(a[2], b[2]):
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple):
+            # dict item: (key, value)
+            if not (_same(x[0], y[0]) and _same(x[1], y[1])):
+                return False
+        elif not _same(x, y):
+            return False
+    return True
+
+
+def _snapshot(model: nn.Module) -> dict[str, dict[str, tuple]]:
+    """
+    Every internal field of every FSDP state, its shared state context, and
+    every parameter group in ``model``.
+    """
+    snapshot: dict[str, dict[str, tuple]] = {}
+    for i, state in enumerate(_states(model)):
+        snapshot[f"state{i}"] = {k: _freeze(v) for k, v in vars(state).items()}
+        snapshot[f"state{i}._state_ctx"] = {
+            k: _freeze(v) for k, v in vars(state._state_ctx).items()
+        }
+        for j, group in enumerate(state._fsdp_param_groups):
+            snapshot[f"state{i}.group{j}"] = {
+                k: _freeze(v) for k, v in vars(group).items()
+            }
+    return snapshot
+
+
+@contextlib.contextmanager
+def _count_mesh_and_group_creation() -> Iterator[collections.Counter]:
+    """Counts ``DeviceMesh`` constructions and process group creations."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def counting(kind: str, fn):
+        def wrapper(*args, **kwargs):
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(
+                DeviceMesh, "__init__", counting("mesh", DeviceMesh.__init__)
+            )
+        )
+        for name in ("new_group", "split_group", "_new_group_with_tag"):
+            if hasattr(c10d, name):
+                fn = getattr(c10d, name)
+                stack.enter_context(
+                    mock.patch.object(c10d, name, counting("group", fn))
+                )
+                if getattr(dist, name, None) is fn:
+                    stack.enter_context(
+                        mock.patch.object(dist, name, counting("group", fn))
+                    )
+        yield counts
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    # A mean over rows: the reference's mean over every rank's rows equals the
+    # average over ranks of the local means, which is what FSDP reduces
+    return out.square().mean()
+
+
+def _all_inputs(local: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every rank's microbatch inputs, ordered by rank."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+def _local_inputs(rank: int, num_microbatches: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1000 * rank)
+    return [torch.randn(4, DIM, generator=generator) for _ in range(num_microbatches)]
+
+
+# ---------------------------------------------------------------------------
+# 1. The value
+# ---------------------------------------------------------------------------
+class TestFSDPPolicyValue(TestCase):
+    def test_frozen_comparable_hashable(self):
+        policy = FSDPPolicy()
+        self.assertEqual(
+            dataclasses.asdict(policy),
+            {
+                "requires_gradient_sync": True,
+                "requires_all_reduce": True,
+                "reshard_after_forward": None,
+                "reshard_after_backward": True,
+            },
+        )
+        self.assertTrue(dataclasses.is_dataclass(FSDPPolicy))
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            policy.requires_gradient_sync = False  # type: ignore[misc]
+        for value in (True, False, None, 2):
+            a = FSDPPolicy(requires_all_reduce=False, reshard_after_forward=value)
+            b = FSDPPolicy(requires_all_reduce=False, reshard_after_forward=value)
+            self.assertIsNot(a, b)
+            self.assertEqual(a, b)
+            self.assertEqual(hash(a), hash(b))
+            self.assertNotEqual(a, FSDPPolicy(reshard_after_forward=value))
+        # Every field takes part in equality and hashing
+        variants = {
+            FSDPPolicy(),
+            FSDPPolicy(requires_gradient_sync=False),
+            FSDPPolicy(requires_all_reduce=False),
+            FSDPPolicy(reshard_after_forward=True),
+            FSDPPolicy(reshard_after_forward=False),
+            FSDPPolicy(reshard_after_forward=2),
+            FSDPPolicy(reshard_after_backward=False),
+        }
+        self.assertEqual(len(variants), 7)
+        self.assertIn(FSDPPolicy(reshard_after_forward=2), variants)
+        replaced = dataclasses.replace(policy, reshard_after_backward=False)
+        self.assertEqual(replaced, FSDPPolicy(reshard_after_backward=False))
+        self.assertEqual(policy, FSDPPolicy())  # unchanged
+
+    def test_field_checks(self):
+        for name in (
+            "requires_gradient_sync",
+            "requires_all_reduce",
+            "reshard_after_backward",
+        ):
+            for bad in (1, 0, None, "True", 1.0):
+                with self.assertRaisesRegex(TypeError, name):
+                    FSDPPolicy(**{name: bad})
+        for bad in ("True", "2", 2.0, [2]):
+            with self.assertRaisesRegex(TypeError, "reshard_after_forward"):
+                FSDPPolicy(reshard_after_forward=bad)
+        for bad in (0, -1, -4):
+            with self.assertRaisesRegex(ValueError, "reshard_after_forward"):
+                FSDPPolicy(reshard_after_forward=bad)
+        # Bools are not ints here, and mesh-dependent ints are checked on apply
+        for ok in (True, False, None, 1, 3, 4, 1024):
+            self.assertEqual(
+                FSDPPolicy(reshard_after_forward=ok).reshard_after_forward, ok
+            )
+
+    def test_exported(self):
+        import torch.distributed.fsdp as fsdp_pkg
+
+        self.assertIs(fsdp_pkg.FSDPPolicy, FSDPPolicy)
+        self.assertIn("FSDPPolicy", fsdp_pkg.__all__)
+        self.assertEqual(FSDPPolicy.__module__, "torch.distributed.fsdp")
+        for name in ("get_fsdp_policy", "set_fsdp_policy", "fsdp_policy"):
+            self.assertTrue(callable(getattr(FSDPModule, name)), name)
+
+
+# ---------------------------------------------------------------------------
+# World size 2: round trip (bool / automatic), grouping, scopes, defaults
+# ---------------------------------------------------------------------------
+class _PolicyTestBase(GlooMultiProcessTestCase):
+    """Shared assertions; holds no tests."""
+
+    def _assert_same_snapshot(self, before, after, where: str) -> None:
+        self.assertEqual(before.keys(), after.keys(), where)
+        for obj_name, fields in before.items():
+            self.assertEqual(
+                fields.keys(), after[obj_name].keys(), f"{where}: {obj_name}"
+            )
+            for field, value in fields.items():
+                self.assertTrue(
+                    _same(value, after[obj_name][field]),
+                    f"{where}: {obj_name}.{field} changed: {value} -> "
+                    f"{after[obj_name][field]}",
+                )
+
+    def _round_trip(self, model: Model, recurse: bool, where: str) -> None:
+        """Round trips every FSDP module, asserting nothing changes at all."""
+        before = _snapshot(model)
+        policies = _policies(model)
+        with _count_mesh_and_group_creation() as created:
+            if recurse:
+                model.set_fsdp_policy(model.get_fsdp_policy(), recurse=True)
+            for module in _fsdp_modules(model):
+                module.set_fsdp_policy(module.get_fsdp_policy(), recurse=recurse)
+            with model.fsdp_policy(recurse=recurse) as applied:
+                self.assertEqual(applied, policies[""])
+        self.assertEqual(created["mesh"], 0, where)
+        self.assertEqual(created["group"], 0, where)
+        self.assertEqual(_policies(model), policies, where)
+        self._assert_same_snapshot(before, _snapshot(model), where)
+
+
+class TestFullyShardPolicy(_PolicyTestBase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _train_step(self, model: nn.Module, inp: torch.Tensor) -> None:
+        _loss(model(inp)).backward()
+
+    @staticmethod
+    def _expected_raf(raf, is_root: bool):
+        """The post-forward mesh FSDP uses: None, 'mesh' (the group's own)."""
+        if raf is None:
+            return None if is_root else "mesh"
+        return "mesh" if raf else None
+
+    def test_round_trip_exact(self):
+        """
+        ``set_fsdp_policy(get_fsdp_policy())`` changes no internal field, before
+        and after lazy init (and mid-iteration), for bool and automatic
+        ``reshard_after_forward``, with and without ``recurse``.
+        """
+        self.run_subtests(
+            {
+                "reshard_after_forward": [None, True, False],
+                "recurse": [False, True],
+                "group_head": [False, True],
+            },
+            self._test_round_trip_exact,
+        )
+
+    def _test_round_trip_exact(self, reshard_after_forward, recurse, group_head):
+        torch.manual_seed(0)
+        model = _shard(
+            Model(),
+            reshard_after_forward=reshard_after_forward,
+            group_head=group_head,
+        )
+        expected_policy = FSDPPolicy(reshard_after_forward=reshard_after_forward)
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, expected_policy, name)
+        root_groups = model._get_fsdp_state()._fsdp_param_groups
+        # Before lazy init, automatic means resharding for every group
+        for group in _groups(model):
+            expected = self._expected_raf(reshard_after_forward, is_root=False)
+            if expected == "mesh":
+                self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+            else:
+                self.assertIsNone(group.post_forward_mesh_info)
+        self._round_trip(model, recurse, "before lazy init")
+
+        inp = torch.randn(4, DIM)
+        self._train_step(model, inp)
+        # After lazy init the root keeps its parameters after forward when
+        # automatic; the round trip must keep that choice
+        for group in root_groups:
+            expected = self._expected_raf(reshard_after_forward, is_root=True)
+            if expected == "mesh":
+                self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+            else:
+                self.assertIsNone(group.post_forward_mesh_info)
+        self.assertEqual(model.get_fsdp_policy(), expected_policy)
+        self._round_trip(model, recurse, "after lazy init")
+        for group in root_groups:
+            if reshard_after_forward is None:
+                self.assertIsNone(group.post_forward_mesh_info)
+
+        # Mid-iteration: between forward and backward
+        out = model(inp)
+        self._round_trip(model, recurse, "after forward")
+        _loss(out).backward()
+        self._round_trip(model, recurse, "after backward")
+
+    def test_grouped_and_parameterless(self):
+        """
+        Modules given to one ``fully_shard`` call share one policy, and a state
+        without parameters keeps and returns its policy.
+        """
+        self.run_subtests(
+            {"reshard_after_forward": [None, False]},
+            self._test_grouped_and_parameterless,
+        )
+
+    def _test_grouped_and_parameterless(self, reshard_after_forward):
+        torch.manual_seed(0)
+        model = _shard(
+            Model(),
+            reshard_after_forward=reshard_after_forward,
+            shard_body=True,
+            group_head=True,
+        )
+        norm, lm_head, body = model.norm, model.lm_head, model.body
+        self.assertIs(norm._get_fsdp_state(), lm_head._get_fsdp_state())
+        self.assertEqual(len(body._get_fsdp_state()._fsdp_param_groups), 0)
+        default = FSDPPolicy(reshard_after_forward=reshard_after_forward)
+        self.assertEqual(norm.get_fsdp_policy(), default)
+        self.assertEqual(body.get_fsdp_policy(), default)
+
+        # Grouped: set through one module, read through the other
+        grouped = FSDPPolicy(
+            requires_all_reduce=False,
+            reshard_after_forward=False,
+            reshard_after_backward=False,
+        )
+        norm.set_fsdp_policy(grouped)
+        self.assertEqual(lm_head.get_fsdp_policy(), grouped)
+        self.assertEqual(norm.get_fsdp_policy(), grouped)
+        (group,) = lm_head._get_fsdp_state()._fsdp_param_groups
+        self.assertFalse(group.all_reduce_grads)
+        self.assertTrue(group.reduce_grads)
+        self.assertFalse(group.reshard_after_backward)
+        self.assertIsNone(group.post_forward_mesh_info)
+        with lm_head.fsdp_policy(requires_gradient_sync=False) as applied:
+            self.assertEqual(
+                applied, dataclasses.replace(grouped, requires_gradient_sync=False)
+            )
+            self.assertEqual(norm.get_fsdp_policy(), applied)
+        self.assertEqual(norm.get_fsdp_policy(), grouped)
+        lm_head.set_fsdp_policy(default)
+        self.assertEqual(norm.get_fsdp_policy(), default)
+        # The other modules were not touched
+        self.assertEqual(model.get_fsdp_policy(), default)
+        self.assertEqual(model.body[0].get_fsdp_policy(), default)
+
+        # A single group cannot disagree with itself: a private field edit is
+        # what ``get`` then reads
+        group.reduce_grads = False
+        self.assertFalse(lm_head.get_fsdp_policy().requires_gradient_sync)
+        group.reduce_grads = True
+
+        # Parameterless: set/get, scopes, setters, and recurse from the root
+        for policy in (
+            FSDPPolicy(requires_gradient_sync=False, reshard_after_backward=False),
+            FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True),
+            default,
+        ):
+            body.set_fsdp_policy(policy)
+            self.assertEqual(body.get_fsdp_policy(), policy)
+            self.assertEqual(model.body[0].get_fsdp_policy(), default)
+        with body.fsdp_policy(requires_all_reduce=False) as applied:
+            self.assertEqual(
+                applied, dataclasses.replace(default, requires_all_reduce=False)
+            )
+            self.assertEqual(body.get_fsdp_policy(), applied)
+        self.assertEqual(body.get_fsdp_policy(), default)
+        scoped = FSDPPolicy(requires_gradient_sync=False, reshard_after_forward=False)
+        with model.fsdp_policy(scoped, recurse=True) as applied:
+            self.assertEqual(applied, scoped)
+            for name, policy in _policies(model).items():
+                self.assertEqual(policy, scoped, name)
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, default, name)
+        model.set_fsdp_policy(scoped, recurse=True)
+        self.assertEqual(body.get_fsdp_policy(), scoped)
+        model.set_fsdp_policy(default, recurse=True)
+        self.assertEqual(body.get_fsdp_policy(), default)
+        # The per-field setters keep a parameterless policy in step
+        body.set_requires_gradient_sync(False, recurse=False)
+        self.assertEqual(
+            body.get_fsdp_policy(),
+            dataclasses.replace(
+                default, requires_gradient_sync=False, requires_all_reduce=False
+            ),
+        )
+        body.set_requires_gradient_sync(True, recurse=False)
+        body.set_reshard_after_backward(False, recurse=False)
+        self.assertFalse(body.get_fsdp_policy().reshard_after_backward)
+        body.set_reshard_after_backward(True, recurse=False)
+        self.assertEqual(body.get_fsdp_policy(), default)
+
+        # And it all still trains, with round trips exact after lazy init
+        _loss(model(torch.randn(4, DIM))).backward()
+        self.assertEqual(body.get_fsdp_policy(), default)
+        before = _snapshot(model)
+        for module in _fsdp_modules(model):
+            module.set_fsdp_policy(module.get_fsdp_policy())
+        with model.fsdp_policy(recurse=True):
+            pass
+        after = _snapshot(model)
+        for obj_name, fields in before.items():
+            for field, value in fields.items():
+                self.assertTrue(_same(value, after[obj_name][field]), field)
+
+    def test_fsdp_policy_scope(self):
+        """
+        ``fsdp_policy``: keyword changes, ``policy=``, ``recurse``,
+        ``is_last_backward``, nesting, restore on exception, and what it yields.
+        """
+        torch.manual_seed(0)
+        model = _shard(Model(), group_head=True)
+        block0, block1 = model.body
+        # Give block0 a non-default policy that scopes must keep and restore
+        block0_policy = FSDPPolicy(
+            requires_all_reduce=False, reshard_after_forward=False
+        )
+        block0.set_fsdp_policy(block0_policy)
+        _loss(model(torch.randn(4, DIM))).backward()  # lazy init
+        state_ctx = model._get_fsdp_state()._state_ctx
+        self.assertTrue(state_ctx.is_last_backward)
+        policies = _policies(model)
+        root_policy = policies[""]
+        self.assertEqual(root_policy, FSDPPolicy())
+        self.assertEqual(policies["body.0"], block0_policy)
+        snapshot = _snapshot(model)
+
+        # Keyword: omitted keywords keep the current value; only self changes
+        with block0.fsdp_policy(reshard_after_backward=False) as applied:
+            expected = dataclasses.replace(block0_policy, reshard_after_backward=False)
+            self.assertEqual(applied, expected)
+            self.assertEqual(block0.get_fsdp_policy(), expected)
+            (block0_group,) = block0._get_fsdp_state()._fsdp_param_groups
+            self.assertFalse(block0_group.reshard_after_backward)
+            self.assertEqual(block1.get_fsdp_policy(), policies["body.1"])
+            self.assertEqual(model.get_fsdp_policy(), root_policy)
+        self.assertEqual(_policies(model), policies)
+        self._assert_same_snapshot(snapshot, _snapshot(model), "keyword scope")
+
+        # policy=: applied as a whole, then the keywords on top
+        given = FSDPPolicy(requires_gradient_sync=False, reshard_after_forward=True)
+        with block0.fsdp_policy(given, reshard_after_backward=False) as applied:
+            expected = dataclasses.replace(given, reshard_after_backward=False)
+            self.assertEqual(applied, expected)
+            self.assertEqual(block0.get_fsdp_policy(), expected)
+            group = block0._get_fsdp_state()._fsdp_param_groups[0]
+            self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+            self.assertTrue(group.all_reduce_grads)  # from ``given``
+        self._assert_same_snapshot(snapshot, _snapshot(model), "policy= scope")
+
+        # recurse=True: every module keeps its own other fields
+        with model.fsdp_policy(recurse=True, requires_gradient_sync=False) as applied:
+            self.assertEqual(
+                applied, dataclasses.replace(root_policy, requires_gradient_sync=False)
+            )
+            for name, policy in _policies(model).items():
+                self.assertEqual(
+                    policy,
+                    dataclasses.replace(policies[name], requires_gradient_sync=False),
+                    name,
+                )
+            for group in _groups(model):
+                self.assertFalse(group.reduce_grads)
+            # Without recurse, only the root would have changed
+        with model.fsdp_policy(requires_gradient_sync=False):
+            self.assertEqual(block1.get_fsdp_policy(), policies["body.1"])
+            self.assertEqual(model.norm.get_fsdp_policy(), policies["norm"])
+        self._assert_same_snapshot(snapshot, _snapshot(model), "recurse scope")
+
+        # is_last_backward: root-wide, restored; the body may change it too
+        with block1.fsdp_policy(is_last_backward=False) as applied:
+            self.assertEqual(applied, policies["body.1"])
+            self.assertFalse(state_ctx.is_last_backward)
+            model.set_is_last_backward(False)
+        self.assertTrue(state_ctx.is_last_backward)
+        with model.fsdp_policy():
+            model.set_is_last_backward(False)
+        self.assertTrue(state_ctx.is_last_backward)
+        model.set_is_last_backward(False)
+        with model.fsdp_policy(is_last_backward=True):
+            self.assertTrue(state_ctx.is_last_backward)
+        self.assertFalse(state_ctx.is_last_backward)
+        model.set_is_last_backward(True)
+        self._assert_same_snapshot(snapshot, _snapshot(model), "is_last_backward")
+
+        # Nesting
+        with model.fsdp_policy(recurse=True, requires_gradient_sync=False):
+            with block0.fsdp_policy(
+                reshard_after_forward=True, requires_gradient_sync=True
+            ) as inner:
+                self.assertEqual(
+                    inner,
+                    dataclasses.replace(block0_policy, reshard_after_forward=True),
+                )
+                self.assertFalse(block1.get_fsdp_policy().requires_gradient_sync)
+                with model.fsdp_policy(recurse=True, reshard_after_backward=False):
+                    self.assertEqual(
+                        block0.get_fsdp_policy(),
+                        dataclasses.replace(inner, reshard_after_backward=False),
+                    )
+                self.assertEqual(block0.get_fsdp_policy(), inner)
+            self.assertEqual(
+                block0.get_fsdp_policy(),
+                dataclasses.replace(block0_policy, requires_gradient_sync=False),
+            )
+        self.assertEqual(_policies(model), policies)
+        self._assert_same_snapshot(snapshot, _snapshot(model), "nesting")
+
+        # Restore on exception: every touched module, exception propagates
+        class _Boom(Exception):
+            pass
+
+        with self.assertRaises(_Boom):
+            with model.fsdp_policy(
+                FSDPPolicy(
+                    requires_gradient_sync=False,
+                    requires_all_reduce=False,
+                    reshard_after_forward=True,
+                    reshard_after_backward=False,
+                ),
+                recurse=True,
+                is_last_backward=False,
+            ):
+                with block0.fsdp_policy(reshard_after_forward=False):
+                    # Setters inside the body are undone too
+                    model.set_requires_gradient_sync(True)
+                    block1.set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+                    raise _Boom
+        self.assertTrue(state_ctx.is_last_backward)
+        self.assertEqual(_policies(model), policies)
+        self._assert_same_snapshot(snapshot, _snapshot(model), "exception")
+
+        # A scope around the first iteration (lazy init inside the body)
+        # restores the automatic choice, now resolved for the root
+        torch.manual_seed(0)
+        fresh = _shard(Model())
+        with fresh.fsdp_policy(
+            recurse=True, requires_gradient_sync=False, reshard_after_forward=True
+        ):
+            _loss(fresh(torch.randn(4, DIM))).backward()
+        for name, policy in _policies(fresh).items():
+            self.assertEqual(policy, FSDPPolicy(), name)
+        for group in fresh._get_fsdp_state()._fsdp_param_groups:
+            self.assertIsNone(group.post_forward_mesh_info)
+        for block in fresh.body:
+            (group,) = block._get_fsdp_state()._fsdp_param_groups
+            self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+
+        # The policy in force inside a scope is what FSDP does: no
+        # reduce-scatter under no-sync, one per group afterwards
+        counter = CollectiveCounter()
+        num_groups = len(_groups(model))
+        inp = torch.randn(4, DIM)
+        with model.fsdp_policy(recurse=True, requires_gradient_sync=False):
+            with counter.count():
+                self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], 0)
+        counter.reset()
+        with counter.count():
+            self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], num_groups)
+        self._assert_same_snapshot(snapshot, _snapshot(model), "after training")
+
+    def test_default_behavior_unchanged(self):
+        """
+        Without the new API, training matches a single-process reference with
+        the collective counts FSDP has always had.
+        """
+        self.run_subtests(
+            {"accumulate": [False, True]}, self._test_default_behavior_unchanged
+        )
+
+    def _test_default_behavior_unchanged(self, accumulate: bool):
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        _shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        num_groups = len(_groups(model))
+        self.assertEqual(num_groups, 3)  # two blocks and the root
+        num_microbatches = NUM_MICROBATCHES if accumulate else 1
+        counter = CollectiveCounter()
+        for step in range(3):
+            local = _local_inputs(self.rank, num_microbatches, seed=step)
+            all_inputs = _all_inputs(local)
+            for mb in range(num_microbatches):
+                is_last = mb == num_microbatches - 1
+                if accumulate:
+                    model.set_requires_gradient_sync(is_last)
+                counter.reset()
+                with counter.count():
+                    self._train_step(model, local[mb])
+                # Forward all-gathers every group; backward all-gathers every
+                # group but the root, which keeps its parameters after forward
+                self.assertEqual(counter["all_gather"], 2 * num_groups - 1)
+                self.assertEqual(
+                    counter["reduce_scatter"], num_groups if is_last else 0
+                )
+                self.assertEqual(counter["all_reduce"], 0)
+                ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
+                _loss(ref_model(ref_inp)).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(
+                    param.grad.full_tensor(),
+                    ref_param.grad,
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=name,
+                )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(
+                    param.full_tensor(), ref_param, rtol=1e-5, atol=1e-5, msg=name
+                )
+        # The API was never used and the policy is still the default
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, FSDPPolicy(), name)
+
+
+# ---------------------------------------------------------------------------
+# World size 4: int reshard_after_forward, all-or-nothing errors, HSDP
+# ---------------------------------------------------------------------------
+class TestFullyShardPolicyWorld4(_PolicyTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_round_trip_int(self):
+        """
+        ``reshard_after_forward`` as an int (2 on a 1-D mesh of 4): exact round
+        trip before and after lazy init, and no device mesh or process group
+        is created by restoring, including int -> False -> int.
+        """
+        self.run_subtests(
+            {"root_reshard_after_forward": [None, 2]}, self._test_round_trip_int
+        )
+
+    def _test_round_trip_int(self, root_reshard_after_forward):
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        with _count_mesh_and_group_creation() as created:
+            _shard(
+                model,
+                mesh=mesh,
+                reshard_after_forward=2,
+                root_reshard_after_forward=root_reshard_after_forward,
+            )
+        # Positive control for the counter: fully_shard made a post-forward
+        # mesh per block (and for the root when it is given the int)
+        self.assertGreaterEqual(created["mesh"], 2)
+        block0, block1 = model.body
+        int_policy = FSDPPolicy(reshard_after_forward=2)
+        root_policy = FSDPPolicy(reshard_after_forward=root_reshard_after_forward)
+        self.assertEqual(block0.get_fsdp_policy(), int_policy)
+        self.assertEqual(model.get_fsdp_policy(), root_policy)
+        (group0,) = block0._get_fsdp_state()._fsdp_param_groups
+        (root_group,) = model._get_fsdp_state()._fsdp_param_groups
+        post_forward = group0.post_forward_mesh_info
+        self.assertIsNot(post_forward, group0.mesh_info)
+        self.assertEqual(post_forward.shard_mesh_size, 2)
+
+        def round_trip(where: str) -> None:
+            before = _snapshot(model)
+            with _count_mesh_and_group_creation() as created:
+                for module in _fsdp_modules(model):
+                    module.set_fsdp_policy(module.get_fsdp_policy())
+                if root_reshard_after_forward == 2:
+                    # Uniform policy: recurse=True on the root is a round trip
+                    model.set_fsdp_policy(model.get_fsdp_policy(), recurse=True)
+                    with model.fsdp_policy(recurse=True) as applied:
+                        self.assertEqual(applied, int_policy)
+                # int -> False -> int reuses the cached post-forward mesh
+                block0.set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+                self.assertIsNone(group0.post_forward_mesh_info)
+                self.assertEqual(
+                    block0.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=False)
+                )
+                block0.set_fsdp_policy(int_policy)
+                self.assertIs(group0.post_forward_mesh_info, post_forward)
+                with block1.fsdp_policy(reshard_after_forward=True):
+                    pass
+                with block1.fsdp_policy(reshard_after_forward=None):
+                    pass
+                with model.fsdp_policy(recurse=True, reshard_after_forward=False):
+                    pass
+            self.assertEqual(created["mesh"], 0, where)
+            self.assertEqual(created["group"], 0, where)
+            self.assertEqual(block0.get_fsdp_policy(), int_policy)
+            self.assertIs(group0.post_forward_mesh_info, post_forward)
+            self._assert_same_snapshot(before, _snapshot(model), where)
+
+        round_trip("before lazy init")
+        counter = CollectiveCounter()
+        inp = torch.randn(4, DIM)
+        with counter.count():
+            _loss(model(inp)).backward()
+        # Forward all-gathers the three groups; backward re-gathers the blocks
+        # (from their 2-way post-forward shards) and the root only if it was
+        # given the int (automatic keeps the root's parameters)
+        self.assertEqual(
+            counter["all_gather"], 6 if root_reshard_after_forward == 2 else 5
+        )
+        if root_reshard_after_forward is None:
+            self.assertIsNone(root_group.post_forward_mesh_info)
+        else:
+            self.assertEqual(root_group.post_forward_mesh_info.shard_mesh_size, 2)
+        round_trip("after lazy init")
+        self.assertEqual(model.get_fsdp_policy(), root_policy)
+
+        if root_reshard_after_forward is None:
+            # An int the group has not used creates a mesh once, then it is
+            # reused
+            with _count_mesh_and_group_creation() as created:
+                model.set_fsdp_policy(int_policy)
+            self.assertGreaterEqual(created["mesh"], 1)
+            root_post_forward = root_group.post_forward_mesh_info
+            self.assertEqual(root_post_forward.shard_mesh_size, 2)
+            self.assertEqual(model.get_fsdp_policy(), int_policy)
+            with _count_mesh_and_group_creation() as created:
+                model.set_fsdp_policy(root_policy)
+                self.assertIsNone(root_group.post_forward_mesh_info)
+                with model.fsdp_policy(reshard_after_forward=2) as applied:
+                    self.assertEqual(applied, int_policy)
+                    self.assertIs(
+                        root_group.post_forward_mesh_info, root_post_forward
+                    )
+            self.assertEqual(created["mesh"], 0)
+            self.assertEqual(created["group"], 0)
+            self.assertIsNone(root_group.post_forward_mesh_info)
+
+        # Normalisation: the shard mesh size reads True, 1 reads False
+        with block0.fsdp_policy(reshard_after_forward=4) as applied:
+            self.assertEqual(applied, FSDPPolicy(reshard_after_forward=True))
+            self.assertIs(group0.post_forward_mesh_info, group0.mesh_info)
+        with block0.fsdp_policy(reshard_after_forward=1) as applied:
+            self.assertEqual(applied, FSDPPolicy(reshard_after_forward=False))
+            self.assertIsNone(group0.post_forward_mesh_info)
+        self.assertIs(group0.post_forward_mesh_info, post_forward)
+
+        # After all that, a second iteration behaves as the first and the
+        # accumulated gradients match the reference
+        inp2 = torch.randn(4, DIM)
+        counter.reset()
+        with counter.count():
+            _loss(model(inp2)).backward()
+        self.assertEqual(
+            counter["all_gather"], 6 if root_reshard_after_forward == 2 else 5
+        )
+        self.assertEqual(counter["reduce_scatter"], 3)
+        all_inputs = _all_inputs([inp, inp2])
+        for mb in range(2):
+            ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
+            _loss(ref_model(ref_inp)).backward()
+        for (name, param), ref_param in zip(
+            model.named_parameters(), ref_model.parameters()
+        ):
+            self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
+
+    def test_fully_shard_int_equal_to_mesh_size_reads_true(self):
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(0)
+        model = _shard(Model(), mesh=mesh, reshard_after_forward=4, shard_body=True)
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, FSDPPolicy(reshard_after_forward=True), name)
+        for group in _groups(model):
+            self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+
+    def test_invalid_values_change_nothing(self):
+        """
+        Invalid values raise before anything changes, on every module the call
+        would touch, for ``set_fsdp_policy`` and ``fsdp_policy``.
+        """
+        mesh_1d = init_device_mesh("cpu", (4,))
+        mesh_2d = init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
+        )
+        torch.manual_seed(0)
+        model = Model(num_blocks=3)
+        # The last block shards over 2 (HSDP): 4 is valid for every other
+        # module (reads True) but not for it, and it is visited last
+        for block in model.body[:2]:
+            fully_shard(block, mesh=mesh_1d)
+        fully_shard(model.body[2], mesh=mesh_2d)
+        fully_shard(model, mesh=mesh_1d)
+        for lazy_init in (False, True):
+            if lazy_init:
+                _loss(model(torch.randn(4, DIM))).backward()
+            where = f"lazy_init={lazy_init}"
+            policies = _policies(model)
+            snapshot = _snapshot(model)
+            state_ctx = model._get_fsdp_state()._state_ctx
+            is_last_backward = state_ctx.is_last_backward
+            body_ran = []
+
+            def check_unchanged(what: str) -> None:
+                self.assertEqual(_policies(model), policies, f"{where}: {what}")
+                self._assert_same_snapshot(
+                    snapshot, _snapshot(model), f"{where}: {what}"
+                )
+                self.assertEqual(state_ctx.is_last_backward, is_last_backward)
+                self.assertEqual(body_ran, [], what)
+
+            for bad in (3, 4, 8):
+                with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
+                    model.set_fsdp_policy(
+                        FSDPPolicy(
+                            requires_gradient_sync=False, reshard_after_forward=bad
+                        ),
+                        recurse=True,
+                    )
+                check_unchanged(f"set_fsdp_policy({bad}, recurse=True)")
+                with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
+                    with model.fsdp_policy(
+                        recurse=True,
+                        requires_gradient_sync=False,
+                        reshard_after_forward=bad,
+                        is_last_backward=not is_last_backward,
+                    ):
+                        body_ran.append(bad)
+                check_unchanged(f"fsdp_policy(reshard_after_forward={bad})")
+                with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
+                    with model.fsdp_policy(
+                        FSDPPolicy(
+                            requires_all_reduce=False, reshard_after_forward=bad
+                        ),
+                        recurse=True,
+                    ):
+                        body_ran.append(bad)
+                check_unchanged(f"fsdp_policy(policy={bad})")
+            # Valid for the 4-way modules alone
+            with model.fsdp_policy(recurse=False, reshard_after_forward=4) as applied:
+                self.assertEqual(applied.reshard_after_forward, True)
+            with self.assertRaises(ValueError):
+                model.body[2].set_fsdp_policy(FSDPPolicy(reshard_after_forward=4))
+            check_unchanged("valid then invalid")
+
+            # Type errors
+            for kwargs in (
+                {"requires_gradient_sync": 1},
+                {"requires_all_reduce": None},
+                {"reshard_after_backward": "no"},
+                {"reshard_after_forward": "2"},
+                {"is_last_backward": 0},
+                {"policy": {"requires_gradient_sync": False}},
+            ):
+                with self.assertRaises(TypeError, msg=str(kwargs)):
+                    with model.fsdp_policy(recurse=True, **kwargs):
+                        body_ran.append(kwargs)
+                check_unchanged(f"fsdp_policy({kwargs})")
+            with self.assertRaises(ValueError):
+                with model.fsdp_policy(recurse=True, reshard_after_forward=0):
+                    body_ran.append(0)
+            check_unchanged("fsdp_policy(reshard_after_forward=0)")
+            for bad_policy in (None, True, dataclasses.asdict(FSDPPolicy())):
+                with self.assertRaises(TypeError):
+                    model.set_fsdp_policy(
+                        bad_policy,  # type: ignore[arg-type]
+                        recurse=True,
+                    )
+                check_unchanged(f"set_fsdp_policy({bad_policy!r})")
+
+    def test_disagreeing_groups(self):
+        """
+        A state whose parameter groups disagree (only through private fields)
+        has no single policy: ``get_fsdp_policy`` raises ``ValueError``.
+        """
+        mesh_1d = init_device_mesh("cpu", (4,))
+        mesh_2d = init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
+        )
+        head_mesh_info = FSDPMeshInfo(mesh_2d["shard"], shard_mesh_dim=0)
+
+        def shard_placement_fn(param: nn.Parameter):
+            # Per-parameter mesh: lm_head's parameters get their own group
+            if any(param is p for p in model.lm_head.parameters()):
+                return ShardPlacementResult(Shard(0), head_mesh_info)
+            return None
+
+        torch.manual_seed(0)
+        model = Model()
+        fully_shard(
+            model,
+            mesh=mesh_1d,
+            reshard_after_forward=True,
+            shard_placement_fn=shard_placement_fn,
+        )
+        groups = model._get_fsdp_state()._fsdp_param_groups
+        self.assertEqual(len(groups), 2)
+        policy = FSDPPolicy(reshard_after_forward=True)
+        self.assertEqual(model.get_fsdp_policy(), policy)
+        for field, value in (
+            ("reduce_grads", False),
+            ("all_reduce_grads", False),
+            ("reshard_after_backward", False),
+            ("post_forward_mesh_info", None),
+        ):
+            original = getattr(groups[1], field)
+            setattr(groups[1], field, value)
+            with self.assertRaisesRegex(ValueError, "different policies"):
+                model.get_fsdp_policy()
+            # Entering a scope reads the policy, so it raises before changing
+            with self.assertRaisesRegex(ValueError, "different policies"):
+                with model.fsdp_policy(requires_gradient_sync=False):
+                    pass
+            self.assertEqual(getattr(groups[1], field), value)
+            self.assertTrue(groups[0].reduce_grads)
+            # Applying a policy makes the groups agree again
+            model.set_fsdp_policy(policy)
+            self.assertEqual(model.get_fsdp_policy(), policy)
+            self.assertEqual(getattr(groups[1], field), original)
+
+        # Both groups follow set/scope
+        with model.fsdp_policy(
+            requires_gradient_sync=False, reshard_after_forward=False
+        ):
+            for group in groups:
+                self.assertFalse(group.reduce_grads)
+                self.assertIsNone(group.post_forward_mesh_info)
+        for group in groups:
+            self.assertTrue(group.reduce_grads)
+            self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+
+    def test_hsdp_gradient_sync_and_all_reduce(self):
+        """
+        HSDP (2x2): ``requires_gradient_sync`` and ``requires_all_reduce`` are
+        independent through the value API; a 3-microbatch accumulation that
+        turns all-reduce off for all but the last microbatch all-reduces once
+        per group per step and matches a single-process reference. The old
+        setters keep their coupling.
+        """
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        base = Model()
+        model = _shard(copy.deepcopy(base), mesh=mesh)
+        groups = _groups(model)
+        num_groups = len(groups)
+        self.assertEqual(num_groups, 3)
+
+        # Independence
+        model.set_requires_all_reduce(False)
+        with model.fsdp_policy(requires_gradient_sync=False, recurse=True) as applied:
+            self.assertEqual(
+                applied,
+                FSDPPolicy(requires_gradient_sync=False, requires_all_reduce=False),
+            )
+            for group in groups:
+                self.assertFalse(group.reduce_grads)
+                self.assertFalse(group.all_reduce_grads)
+            with model.fsdp_policy(requires_gradient_sync=True, recurse=True) as inner:
+                self.assertFalse(inner.requires_all_reduce)
+                for group in groups:
+                    self.assertTrue(group.reduce_grads)
+                    self.assertFalse(group.all_reduce_grads)
+        for group in groups:
+            self.assertTrue(group.reduce_grads)
+            self.assertFalse(group.all_reduce_grads)
+        model.set_requires_all_reduce(True)
+        with model.fsdp_policy(requires_gradient_sync=False, recurse=True) as applied:
+            self.assertTrue(applied.requires_all_reduce)
+            for group in groups:
+                self.assertTrue(group.all_reduce_grads)
+        with model.fsdp_policy(requires_all_reduce=False, recurse=True) as applied:
+            self.assertTrue(applied.requires_gradient_sync)
+            for group in groups:
+                self.assertTrue(group.reduce_grads)
+        # The old setter still couples them
+        model.set_requires_all_reduce(False)
+        model.set_requires_gradient_sync(True)
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, FSDPPolicy(), name)
+        for group in groups:
+            self.assertTrue(group.all_reduce_grads)
+        model.set_requires_gradient_sync(False)
+        for group in groups:
+            self.assertFalse(group.all_reduce_grads)
+        model.set_requires_gradient_sync(True)
+        self.assertEqual(_policies(model), {k: FSDPPolicy() for k in _policies(model)})
+
+        self.run_subtests(
+            {"loop": ["no_all_reduce", "no_sync", "old_setters"]},
+            self._test_hsdp_accumulation,
+            base=base,
+            mesh=mesh,
+        )
+
+    def _test_hsdp_accumulation(self, loop: str, base: Model, mesh: DeviceMesh):
+        model = _shard(copy.deepcopy(base), mesh=mesh)
+        ref_model = copy.deepcopy(base)
+        num_groups = len(_groups(model))
+        counter = CollectiveCounter()
+        num_steps = 2
+        for step in range(num_steps):
+            local = _local_inputs(self.rank, NUM_MICROBATCHES, seed=10 + step)
+            all_inputs = _all_inputs(local)
+            for mb in range(NUM_MICROBATCHES):
+                is_last = mb == NUM_MICROBATCHES - 1
+                if loop == "no_all_reduce":
+                    ctx = (
+                        model.fsdp_policy(requires_all_reduce=False, recurse=True)
+                        if not is_last
+                        else contextlib.nullcontext()
+                    )
+                elif loop == "no_sync":
+                    ctx = (
+                        model.fsdp_policy(requires_gradient_sync=False, recurse=True)
+                        if not is_last
+                        else contextlib.nullcontext()
+                    )
+                else:
+                    # What code written against the old setters does; the
+                    # second call turns all-reduce back on
+                    if not is_last:
+                        model.set_requires_all_reduce(False)
+                    model.set_requires_gradient_sync(True)
+                    ctx = contextlib.nullcontext()
+                counter.reset()
+                with ctx, counter.count():
+                    _loss(model(local[mb])).backward()
+                if loop == "no_all_reduce":
+                    expected_rs = num_groups
+                    expected_ar = num_groups if is_last else 0
+                elif loop == "no_sync":
+                    expected_rs = expected_ar = num_groups if is_last else 0
+                else:
+                    expected_rs = expected_ar = num_groups
+                self.assertEqual(counter["reduce_scatter"], expected_rs, f"mb {mb}")
+                self.assertEqual(counter["all_reduce"], expected_ar, f"mb {mb}")
+                # The caller's policy is back after each microbatch
+                for name, policy in _policies(model).items():
+                    self.assertEqual(policy, FSDPPolicy(), f"{name} mb {mb}")
+                ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
+                _loss(ref_model(ref_inp)).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(
+                    param.grad.full_tensor(),
+                    ref_param.grad,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"{loop} step {step} {name}",
+                )
+            model.zero_grad()
+            ref_model.zero_grad()
+
+
+class TestFullyShardPolicyParameterless(_PolicyTestBase):
+    """Policy of a state whose module has no parameters of its own (world 4)."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_parameterless_int_validated_and_normalized(self):
+        """
+        A module without parameters validates and normalizes an ``int``
+        ``reshard_after_forward`` against its mesh like ``fully_shard`` does:
+        on a 1-D mesh of 4, ``3`` raises ``ValueError`` with nothing changed,
+        and ``4`` / ``1`` read back as ``True`` / ``False``.
+        """
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(0)
+        model = _shard(Model(), mesh=mesh, shard_body=True)
+        body = model.body
+        self.assertEqual(len(body._get_fsdp_state()._fsdp_param_groups), 0)
+        # fully_shard itself validates an int for a parameterless module
+        with self.assertRaisesRegex(ValueError, "factor"):
+            fully_shard(nn.Sequential(), mesh=mesh, reshard_after_forward=3)
+        # ... and normalizes it
+        self.assertEqual(
+            fully_shard(
+                nn.Sequential(), mesh=mesh, reshard_after_forward=4
+            ).get_fsdp_policy(),
+            FSDPPolicy(reshard_after_forward=True),
+        )
+        # Through the recursive call, a module with parameters raises first
+        with self.assertRaises(ValueError):
+            model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=3), recurse=True)
+        self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
+        # Through set_fsdp_policy on the parameterless module itself
+        for value, expected in ((4, True), (1, False), (2, 2)):
+            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=value))
+            self.assertEqual(
+                body.get_fsdp_policy(),
+                FSDPPolicy(reshard_after_forward=expected),
+                f"reshard_after_forward={value}",
+            )
+        body.set_fsdp_policy(FSDPPolicy())
+        with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
+            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=3))
+        self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
+        with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
+            with body.fsdp_policy(reshard_after_forward=3):
+                pass
+        self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,111 @@
+# Owner(s): ["oncall: distributed"]
+"""
+Shared pieces of the torch-fsdp-lifecycle tests: a gloo/CPU multi-process test
+case and collective counters.
+
+In torch 2.15.0, ``FSDPTest`` exits every rank with a skip when there are fewer
+accelerators than ranks, so on a CPU-only machine an ``FSDPTest`` suite skips
+everything and still looks green. These tests build on ``MultiProcessTestCase``
+directly and initialize gloo on CPU in each rank. Upstream, these helpers belong
+in ``torch/testing/_internal/common_fsdp.py``.
+"""
+
+import collections
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import (
+    MultiProcessTestCase,
+    run_subtests,
+)
+
+
+class GlooMultiProcessTestCase(MultiProcessTestCase):
+    """
+    A ``MultiProcessTestCase`` whose ranks run on CPU with a gloo process
+    group. Ranks are forked rather than spawned: each spawned rank would import
+    torch again (about 5 s), and nothing here touches an accelerator.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
+        self = cls(test_name)
+        self.rank = rank
+        self.file_name = file_name
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.FileStore(file_name, self.world_size),
+            rank=rank,
+            world_size=self.world_size,
+        )
+        torch.manual_seed(0)
+        # ``run_test`` destroys the process group on exit
+        self.run_test(test_name, pipe)
+
+    def run_subtests(self, *args, **kwargs):
+        return run_subtests(self, *args, **kwargs)
+
+
+class CollectiveCounter:
+    """
+    Counts the collectives FSDP2 issues by wrapping the ``torch.distributed``
+    functions it calls: ``all_gather_single``, ``reduce_scatter_single`` and
+    ``all_reduce``. Counts are per process group size and per kind, and are
+    taken only inside :meth:`count`.
+    """
+
+    _FUNCTIONS = {
+        "all_gather": "all_gather_single",
+        "reduce_scatter": "reduce_scatter_single",
+        "all_reduce": "all_reduce",
+    }
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    def __getitem__(self, kind: str) -> int:
+        return self.counts[kind]
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes.clear()
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator["CollectiveCounter"]:
+        originals = {name: getattr(dist, name) for name in self._FUNCTIONS.values()}
+
+        def wrap(kind, fn):
+            def wrapper(*args, **kwargs):
+                self.counts[kind] += 1
+                # The input tensor: ``(output, input)`` for all-gather and
+                # reduce-scatter, ``(tensor,)`` for all-reduce; FSDP passes
+                # either positionally or by keyword
+                tensor = kwargs.get("input", kwargs.get("input_tensor"))
+                if tensor is None:
+                    tensor = kwargs.get("tensor")
+                if tensor is None and args:
+                    tensor = args[1] if len(args) > 1 else args[0]
+                if isinstance(tensor, torch.Tensor):
+                    self.bytes[kind] += tensor.numel() * tensor.element_size()
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        try:
+            for kind, name in self._FUNCTIONS.items():
+                setattr(dist, name, wrap(kind, originals[name]))
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)

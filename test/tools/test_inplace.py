@@ -1,0 +1,198 @@
+"""apply / revert / status on an installed torch (a fake site-packages copy)."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from tooling import (API, FSDP_INIT, NEW_FILE, STATE, edit, empty_series_dir, run_cli, tree_digest,
+                      unified, write_patch, write_series)
+from torch_patches import base
+from torch_patches.record import Record, record_hash
+
+DI = "torch-2.15.0.dist-info"
+
+
+def record_consistent(site):
+    """Every RECORD row of a touched or added file matches the file on disk."""
+    rec = Record((site / DI / "RECORD").read_text())
+    marker = json.loads((site / DI / "TORCH_PATCHES.json").read_text())
+    for path in list(marker["files"]) + [f"{DI}/TORCH_PATCHES.json"]:
+        row = rec.get(path)
+        data = (site / path).read_bytes() if (site / path).exists() else None
+        if data is None:
+            assert row is None, path
+        else:
+            assert row is not None and row[0] == record_hash(data) and int(row[1]) == len(data), path
+    return marker
+
+
+def test_round_trip_one_patch(site, fake_python, one_patch):
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
+    assert f"applied series revision {base.SERIES_REVISION}: 1 patch" in out.stdout
+    assert b"# patched-by-0001" in (site / API).read_bytes()
+    assert (site / NEW_FILE).read_bytes() == b"X = 1\n"
+    marker = record_consistent(site)
+    assert [p["name"] for p in marker["series"]["patches"]] == ["0001-add-policy.patch"]
+    assert marker["series"]["revision"] == base.SERIES_REVISION and marker["kind"] == "installed"
+
+    again = run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
+    assert "already applied" in again.stdout
+
+    status = run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
+    assert "pinned base: yes" in status and "d0f2af8b66b20da4baa50644c0cd3f887a2eae2e" in status
+    assert "applied      0001-add-policy.patch" in status
+
+    out = run_cli("revert", "--python", fake_python, "--series", one_patch, check=0)
+    assert "reverted" in out.stdout
+    assert tree_digest(site) == before  # files and RECORD byte for byte, marker gone
+    assert "nothing to revert" in run_cli("revert", "--python", fake_python, "--series", one_patch,
+                                          check=0).stdout
+
+
+def test_status_not_applied(site, fake_python, one_patch):
+    status = run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
+    assert "not applied  0001-add-policy.patch" in status
+
+
+def test_empty_series(site, fake_python, tmp_path):
+    series = empty_series_dir(tmp_path / "empty")
+    before = tree_digest(site)
+    run_cli("apply", "--python", fake_python, "--series", series, check=0)
+    record_consistent(site)
+    assert "already applied" in run_cli("apply", "--python", fake_python, "--series", series, check=0).stdout
+    assert "empty series" in run_cli("status", "--python", fake_python, "--series", series, check=0).stdout
+    run_cli("revert", "--python", fake_python, "--series", series, check=0)
+    assert tree_digest(site) == before
+
+
+def test_newer_series_replaces_older(site, fake_python, one_patch, two_patches):
+    before = tree_digest(site)
+    run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
+    out = run_cli("apply", "--python", fake_python, "--series", two_patches, check=0)
+    assert f"replacing series revision {base.SERIES_REVISION} (0001-add-policy.patch)" in out.stdout
+    assert not (site / NEW_FILE).exists()
+    assert b"patched-by-0002" in (site / API).read_bytes()
+    assert b"# patched-by-0001" not in (site / FSDP_INIT).read_bytes()
+    record_consistent(site)
+    run_cli("revert", "--python", fake_python, "--series", two_patches, check=0)
+    assert tree_digest(site) == before
+
+
+def test_wrong_version_refused(site, fake_python, one_patch):
+    version_py = site / "torch/version.py"
+    version_py.write_text(version_py.read_text().replace("d0f2af8b66b20da4baa50644c0cd3f887a2eae2e", "1" * 40))
+    before = tree_digest(site)
+    for cmd in ("apply", "revert"):
+        out = run_cli(cmd, "--python", fake_python, "--series", one_patch)
+        assert out.returncode == 3, out
+        assert "not the pinned base torch 2.15.0" in out.stderr and "Traceback" not in out.stderr
+    assert tree_digest(site) == before
+    assert "pinned base: NO" in run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
+
+
+def test_other_release_refused(site, fake_python, one_patch):
+    meta = site / DI / "METADATA"
+    meta.write_text(meta.read_text().replace("Version: 2.15.0", "Version: 2.14.1", 1))
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", one_patch)
+    assert out.returncode == 3 and "install it with `pip install torch==2.15.0`" in out.stderr
+    assert tree_digest(site) == before
+
+
+def test_corrupt_patch(site, fake_python, one_patch):
+    patch = one_patch / "0001-add-policy.patch"
+    text = patch.read_text()
+    patch.write_text(text[: len(text) // 2])  # truncated in the middle of a hunk
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", one_patch)
+    assert out.returncode == 1 and "0001-add-policy.patch" in out.stderr and "Traceback" not in out.stderr
+    assert tree_digest(site) == before
+
+
+def test_patch_that_does_not_apply(site, fake_python, tmp_path, pristine_site):
+    """Second patch conflicts: the first must not be written either (all or nothing)."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    api = (pristine_site / API).read_bytes()
+    state = (pristine_site / STATE).read_bytes()
+    write_patch(d, "0001-ok.patch", "Ok", unified(API, api, edit(api, "ok")))
+    write_patch(d, "0002-bad.patch", "Bad", unified(STATE, b"nothing like it\n" + state, state))
+    write_series(d, ["0001-ok.patch", "0002-bad.patch"])
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", d)
+    assert out.returncode == 1 and "0002-bad.patch" in out.stderr and "Nothing was changed" in out.stderr
+    assert tree_digest(site) == before
+
+
+def test_half_applied(site, fake_python, two_patches):
+    # Apply only the first patch by hand, as a crashed tool or a manual edit would.
+    api = (site / API).read_bytes()
+    (site / API).write_bytes(edit(api, "patched-by-0001"))
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", two_patches)
+    assert out.returncode == 1 and "half-applied" in out.stderr and "0001-first.patch applied" in out.stderr
+    assert tree_digest(site) == before
+    status = run_cli("status", "--python", fake_python, "--series", two_patches, check=0).stdout
+    assert "applied      0001-first.patch" in status and "not applied  0002-second.patch" in status
+    # revert recovers: the pristine file comes back (checked against RECORD)
+    run_cli("revert", "--python", fake_python, "--series", two_patches, check=0)
+    assert tree_digest(site)[API] != before[API]
+    run_cli("apply", "--python", fake_python, "--series", two_patches, check=0)
+
+
+def test_modified_after_apply(site, fake_python, one_patch):
+    run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
+    with open(site / API, "ab") as fh:
+        fh.write(b"# local edit\n")
+    before = tree_digest(site)
+    for cmd in ("apply", "revert"):
+        out = run_cli(cmd, "--python", fake_python, "--series", one_patch)
+        assert out.returncode == 1 and "changed after" in out.stderr
+    assert tree_digest(site) == before
+
+
+def test_base_file_not_matching_record(site, fake_python, one_patch):
+    with open(site / FSDP_INIT, "ab") as fh:
+        fh.write(b"\n")  # the patch still applies, but the file is not the base file
+    before = tree_digest(site)
+    out = run_cli("apply", "--python", fake_python, "--series", one_patch)
+    assert out.returncode == 1 and "not the pristine base files" in out.stderr
+    assert tree_digest(site) == before
+
+
+def test_read_only_target(site, fake_python, one_patch):
+    paths = [p for p in site.rglob("*")] + [site]
+    for p in paths:
+        p.chmod(stat.S_IMODE(p.stat().st_mode) & ~0o222)
+    try:
+        before = tree_digest(site)
+        out = run_cli("apply", "--python", fake_python, "--series", one_patch)
+        assert out.returncode == 1 and "not writable" in out.stderr and "Traceback" not in out.stderr
+        assert tree_digest(site) == before
+        assert not list(site.rglob("*.torch_patches.*"))
+    finally:
+        for p in paths:
+            p.chmod(stat.S_IMODE(p.stat().st_mode) | 0o200)
+
+
+def test_no_torch(tmp_path, one_patch):
+    wrapper = tmp_path / "python"
+    import sys
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    wrapper.chmod(0o755)
+    out = run_cli("status", "--python", wrapper, "--series", one_patch)
+    assert out.returncode == 1 and "has no torch installed" in out.stderr
+    out = run_cli("apply", "--python", tmp_path / "missing", "--series", one_patch)
+    assert out.returncode == 1 and "no such interpreter" in out.stderr
+
+
+def test_usage_errors():
+    out = run_cli("apply", "--python", "x", "--source", "y")
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+    out = run_cli("check")
+    assert out.returncode == 2 and "--source" in out.stderr

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The test command: bash tools/run_tests.sh [pytest args...]
+#
+# 1. creates (or reuses) a virtual environment, $VENV (default: .venv here),
+#    with torch==2.15.0, expecttest, pytest, numpy (tools/requirements-test.txt);
+# 2. installs this project into it (pip install .);
+# 3. applies the series to the venv's torch with the user-facing command
+#    `python -m torch_patches apply --python $VENV/bin/python`
+#    (a torch patched with an older series is switched to this one);
+# 4. runs pytest over test/ with any extra arguments (pytest args that name
+#    test paths, e.g. test/tools, replace the default test/).
+#
+# Environment: VENV (venv path), PYTHON (interpreter that creates the venv,
+# default python3), PIP_FIND_LINKS etc. are passed to pip as usual. pip runs
+# with PIP_CONFIG_FILE=/dev/null so a machine-wide constraint that caps torch
+# below 2.15.0 does not apply.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+VENV="${VENV:-$REPO/.venv}"
+PYTHON="${PYTHON:-python3}"
+export PIP_CONFIG_FILE=/dev/null
+unset PIP_CONSTRAINT || true
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  step "creating virtual environment $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+installed_torch() {
+  "$PY" - <<'PY' 2>/dev/null || true
+import importlib.metadata as m
+try:
+    print(m.version("torch"))
+except m.PackageNotFoundError:
+    pass
+PY
+}
+
+have="$(installed_torch)"
+case "$have" in
+  2.15.0) step "reusing $VENV (torch $have)" ;;
+  *)
+    if [[ -n "$have" ]]; then
+      step "torch $have in $VENV is not the base 2.15.0; reinstalling"
+      "$PY" -m pip install --force-reinstall --no-deps "torch==2.15.0"
+    fi
+    ;;
+esac
+step "installing test requirements (tools/requirements-test.txt)"
+"$PY" -m pip install -r tools/requirements-test.txt
+
+step "installing torch_patches into $VENV"
+"$PY" -m pip install --no-deps --force-reinstall --no-build-isolation . \
+  || "$PY" -m pip install --no-deps --force-reinstall .
+
+step "applying the series: python -m torch_patches apply --python $PY"
+(cd / && "$PY" -m torch_patches apply --python "$PY")
+(cd / && "$PY" -m torch_patches status --python "$PY")
+
+# Default to test/; if the arguments name test paths themselves, run just those.
+targets=(test/)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then targets=(); break; fi
+done
+step "pytest ${targets[*]:-} $*"
+# Run from the repo so the tests import the checkout's torch_patches.
+exec "$PY" -m pytest "${targets[@]}" "$@"

@@ -1,0 +1,131 @@
+"""Command line: ``python -m torch_patches`` / ``torch-patches``.
+
+A thin layer: parse arguments, pick the target, call :mod:`torch_patches.ops`
+or :mod:`torch_patches.wheel`, print, and turn :class:`TorchPatchesError` into
+a message and a non-zero exit (no tracebacks for user mistakes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+from . import __version__, base
+from .errors import TorchPatchesError
+
+
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _series(args):
+    from .series import load_series
+    return load_series(args.series)
+
+
+def _target(args):
+    if getattr(args, "source", None):
+        from .source import SourceTree
+        return SourceTree(args.source)
+    from .installed import locate
+    return locate(getattr(args, "python", None))
+
+
+def cmd_status(args) -> int:
+    from . import ops
+    print("\n".join(ops.status(_target(args), _series(args))))
+    return 0
+
+
+def cmd_apply(args) -> int:
+    from . import ops
+    target, series = _target(args), _series(args)
+    print(ops.apply(target, series))
+    return 0
+
+
+def cmd_revert(args) -> int:
+    from . import ops
+    print(ops.revert(_target(args), _series(args)))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from . import ops
+    lines, error = ops.check(_target(args), _series(args))
+    print("\n".join(lines))
+    if error is not None:
+        raise error
+    return 0
+
+
+def cmd_wheel(args) -> int:
+    from .fetch import obtain_base_wheel
+    from .wheel import build_wheel, verify_wheel
+    started = time.monotonic()
+    series = _series(args)
+    base_wheel = args.base or obtain_base_wheel(args.python, progress=_progress)
+    out = build_wheel(base_wheel, args.output, series, progress=_progress)
+    if args.verify:
+        _progress("verify: checking every RECORD hash ...")
+        problems = verify_wheel(out)
+        if problems:
+            raise TorchPatchesError("the written wheel does not verify:\n  " + "\n  ".join(problems[:20]))
+        _progress("verify: ok")
+    print(f"wrote {out} in {time.monotonic() - started:.2f} s total")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torch-patches",
+        description=f"Apply the FSDP lifecycle patch series to torch {base.BASE_VERSION} "
+                    f"({base.BASE_GIT_VERSION[:12]}), revert it, or build a patched wheel.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--series", metavar="DIR", default=None,
+                        help="use the series in DIR instead of the one shipped with the package")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def target_args(p, source_required=False):
+        if source_required:
+            p.add_argument("--source", metavar="DIR", required=True, help="PyTorch source tree")
+            return
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--python", metavar="PY", help="interpreter whose torch to use (default: this one)")
+        group.add_argument("--source", metavar="DIR", help="PyTorch source tree instead of an installed torch")
+
+    p = sub.add_parser("status", parents=[common], help="show the torch and the state of each patch")
+    target_args(p)
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("apply", parents=[common], help="apply the series in place (all or nothing)")
+    target_args(p)
+    p.set_defaults(func=cmd_apply)
+    p = sub.add_parser("revert", parents=[common], help="restore the pristine files and RECORD")
+    target_args(p)
+    p.set_defaults(func=cmd_revert)
+    p = sub.add_parser("check", parents=[common], help="dry run of apply against a source tree")
+    target_args(p, source_required=True)
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("wheel", parents=[common], help="write the patched wheel 2.15.0+fsdp.N")
+    p.add_argument("--base", metavar="WHEEL", help="base torch 2.15.0 wheel (default: download with pip)")
+    p.add_argument("-o", "--output", metavar="DIR", default="dist", help="output directory (default: dist)")
+    p.add_argument("--python", metavar="PY", help="interpreter whose wheel tags select the base wheel")
+    p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
+    p.set_defaults(func=cmd_wheel)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TorchPatchesError as exc:
+        print(f"torch-patches {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("torch-patches: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,122 @@
+"""All-or-nothing replacement of a handful of files.
+
+:func:`write_files` stages every new file next to its destination first; only
+when all of them are staged does it swap them in (keeping backups until the
+end, so a failure midway rolls back). A read-only target fails during the
+checks or the staging, before anything visible changes.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Dict, Optional
+
+from .errors import TorchPatchesError
+
+_TMP = ".torch_patches.tmp"
+_BAK = ".torch_patches.bak"
+
+
+def _read_only_reason(path: Path) -> Optional[str]:
+    """Why ``path`` (an existing file or directory) must not be written, if so.
+
+    Besides ``os.access`` this honours missing write bits even for root, which
+    ``os.access`` ignores: a tree someone made read-only is left alone.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return exc.strerror
+    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(path, os.W_OK):
+        return "read-only"
+    return None
+
+
+def check_writable(root: Path, rels) -> None:
+    """Raise :class:`TorchPatchesError` if any of ``rels`` under ``root`` cannot be written."""
+    problems = []
+    for rel in rels:
+        target = root / rel
+        directory = target.parent
+        while not directory.exists() and directory != root:
+            directory = directory.parent
+        for p in ([target] if target.exists() else []) + [directory]:
+            why = _read_only_reason(p)
+            if why:
+                problems.append(f"{p}: {why}")
+    if problems:
+        raise TorchPatchesError(
+            "the target is not writable, nothing was changed:\n  " + "\n  ".join(sorted(set(problems)))
+            + "\nRun as a user who owns it, or use a virtual environment / `torch-patches wheel`.")
+
+
+def write_files(root: Path, changes: Dict[str, Optional[bytes]],
+                mtimes: Optional[Dict[str, int]] = None) -> None:
+    """Write ``changes`` (``None`` deletes) under ``root``, all or nothing.
+
+    ``mtimes`` optionally restores modification times (ns) of written files.
+    """
+    root = Path(root)
+    check_writable(root, changes)
+    staged, made_dirs, swapped = [], [], []
+    try:
+        for rel, data in changes.items():
+            dest = root / rel
+            if data is None:
+                continue
+            parent = dest.parent
+            missing = []
+            while not parent.exists():
+                missing.append(parent)
+                parent = parent.parent
+            for d in reversed(missing):
+                d.mkdir()
+                made_dirs.append(d)
+            tmp = dest.with_name(dest.name + _TMP)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            staged.append(tmp)
+            mode = dest.stat().st_mode if dest.exists() else 0o644
+            os.chmod(tmp, stat.S_IMODE(mode))
+            if mtimes and rel in mtimes:
+                os.utime(tmp, ns=(mtimes[rel], mtimes[rel]))
+    except OSError as exc:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        for d in reversed(made_dirs):
+            d.rmdir()
+        raise TorchPatchesError(f"cannot write under {root}: {exc}; nothing was changed")
+    try:
+        for rel, data in changes.items():
+            dest = root / rel
+            bak = dest.with_name(dest.name + _BAK)
+            if dest.exists():
+                os.replace(dest, bak)
+                swapped.append((dest, bak))
+            else:
+                swapped.append((dest, None))
+            if data is not None:
+                os.replace(dest.with_name(dest.name + _TMP), dest)
+    except OSError as exc:
+        for dest, bak in reversed(swapped):
+            if bak is not None:
+                os.replace(bak, dest)
+            else:
+                dest.unlink(missing_ok=True)
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        raise TorchPatchesError(f"cannot write under {root}: {exc}; nothing was changed")
+    for _, bak in swapped:
+        if bak is not None:
+            bak.unlink(missing_ok=True)
+    # A file deleted by a patch may leave its directory empty; drop it.
+    for rel, data in changes.items():
+        if data is None:
+            parent = (root / rel).parent
+            try:
+                if parent != root and not any(parent.iterdir()):
+                    parent.rmdir()
+            except OSError:
+                pass

@@ -1,0 +1,189 @@
+"""The torch installed for an interpreter, found without importing torch.
+
+``locate(PY)`` runs ``PY`` in a subprocess with a tiny script that asks
+``importlib`` where the ``torch`` package lives; this process never imports
+torch, so the CLI runs from any Python 3.10+.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from . import base, fsutil, marker as markers
+from .errors import TorchPatchesError
+from .patching import Files
+from .record import Record, record_hash
+from .target import Target, read_version_py
+
+_LOCATE = r"""
+import importlib.util, json, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+spec = importlib.util.find_spec("torch")
+origin = spec.origin if spec and spec.origin else None
+if origin is None and spec and spec.submodule_search_locations:
+    origin = os.path.join(list(spec.submodule_search_locations)[0], "__init__.py")
+print(json.dumps({"executable": sys.executable, "python": sys.version.split()[0],
+                  "torch_init": origin}))
+"""
+
+
+def run_locate(python: str) -> dict:
+    """Ask interpreter ``python`` where its torch is (no import of torch)."""
+    try:
+        proc = subprocess.run([python, "-c", _LOCATE], capture_output=True, text=True,
+                              cwd=tempfile.gettempdir(), timeout=120)
+    except FileNotFoundError:
+        raise TorchPatchesError(f"no such interpreter: {python}")
+    except PermissionError:
+        raise TorchPatchesError(f"{python} is not executable")
+    if proc.returncode != 0:
+        raise TorchPatchesError(f"could not run {python}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _metadata_field(path: Path, name: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    break
+                if line.lower().startswith(name.lower() + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+class InstalledTorch(Target):
+    """The torch in one site-packages directory, with its dist-info."""
+
+    def __init__(self, python: str, info: dict):
+        self.python = python
+        self.executable = info["executable"]
+        self.python_version = info["python"]
+        if not info.get("torch_init"):
+            raise TorchPatchesError(
+                f"{python} has no torch installed; install torch=={base.BASE_VERSION} first")
+        self.torch_dir = Path(info["torch_init"]).parent
+        self.root = self.torch_dir.parent
+        found = [d for d in sorted(self.root.glob("torch-*.dist-info"))
+                 if _metadata_field(d / "METADATA", "Name").lower() == "torch"]
+        if len(found) > 1:
+            raise TorchPatchesError(
+                f"{self.root} holds several torch dist-info directories "
+                f"({', '.join(d.name for d in found)}); reinstall torch")
+        self.dist_info = found[0] if found else None
+        self.dist_version = _metadata_field(self.dist_info / "METADATA", "Version") if self.dist_info else ""
+        self.version_py = read_version_py(self.read("torch/version.py") or b"")
+        self.kind = "wheel" if base.patched_revision(self.dist_version) is not None else "installed"
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def torch_version(self) -> str:
+        return str(self.version_py.get("__version__", "?"))
+
+    @property
+    def git_version(self) -> str:
+        return str(self.version_py.get("git_version", "?"))
+
+    def describe(self) -> List[str]:
+        lines = [f"python:  {self.executable} ({self.python_version})",
+                 f"torch:   {self.torch_version} at {self.torch_dir}",
+                 f"commit:  {self.git_version}"]
+        if self.dist_info:
+            lines.append(f"dist:    {self.dist_info.name}")
+        return lines
+
+    def base_problem(self) -> Optional[str]:
+        if self.dist_info is None:
+            return (f"torch at {self.torch_dir} has no torch-*.dist-info next to it "
+                    "(a source/develop install?); use `apply --source DIR` for source trees")
+        if self.git_version != base.BASE_GIT_VERSION or base.public_version(self.dist_version) != base.BASE_VERSION \
+                or base.public_version(self.torch_version) != base.BASE_VERSION:
+            return (f"torch {self.torch_version} (dist {self.dist_version}, commit {self.git_version[:12]}) "
+                    f"is not the pinned base torch {base.BASE_VERSION} "
+                    f"({base.BASE_GIT_VERSION[:12]}); install it with "
+                    f"`pip install torch=={base.BASE_VERSION}` and try again")
+        return None
+
+    # -- marker / RECORD ---------------------------------------------------------
+    @property
+    def marker_rel(self) -> str:
+        return f"{self.dist_info.name}/{markers.MARKER_NAME}"
+
+    @property
+    def record_rel(self) -> str:
+        return f"{self.dist_info.name}/RECORD"
+
+    def load_marker(self) -> Optional[dict]:
+        if self.dist_info is None:
+            return None
+        data = self.read(self.marker_rel)
+        return None if data is None else markers.loads(data, str(self.root / self.marker_rel))
+
+    def record(self) -> Record:
+        data = self.read(self.record_rel)
+        if data is None:
+            raise TorchPatchesError(f"{self.root / self.record_rel} is missing; reinstall torch")
+        return Record(data.decode("utf-8"))
+
+    def pristine_record(self) -> Record:
+        """RECORD as it was before any in-place apply."""
+        rec = self.record()
+        old = self.load_marker()
+        if old is not None and old.get("kind") == "installed":
+            rec.undo(old.get("record", {}))
+            rec.update({self.marker_rel: None})
+        return rec
+
+    def verify_pristine(self, pristine: Files) -> List[str]:
+        rec = self.pristine_record()
+        problems = []
+        for path, data in pristine.items():
+            row = rec.get(path)
+            if data is None:
+                if row is not None:
+                    problems.append(f"{path} is listed in RECORD but missing")
+            elif row is None:
+                problems.append(f"{path} is not listed in the torch RECORD")
+            elif row[0] != record_hash(data):
+                problems.append(f"{path} does not match its RECORD hash (modified after install?)")
+        return problems
+
+    def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
+        current = self.read_all(set(pristine) | set(new or {}))
+        rec = self.pristine_record()
+        changes: Files = {}
+        mtimes = None
+        if new is not None:
+            undo = rec.update({p: new[p] for p in new if new[p] != pristine.get(p)})
+            marker["record"] = undo
+            data = markers.dumps(marker)
+            rec.update({self.marker_rel: data})
+            changes[self.marker_rel] = data
+            target = new
+        else:
+            if self.read(self.marker_rel) is not None:
+                changes[self.marker_rel] = None
+            target = pristine
+            old = self.load_marker()
+            mtimes = markers.pristine_mtimes(old) if old else None
+        for path, data in target.items():
+            if current.get(path) != data:
+                changes[path] = data
+        record_bytes = rec.text().encode("utf-8")
+        if record_bytes != self.read(self.record_rel):
+            changes[self.record_rel] = record_bytes
+        fsutil.write_files(self.root, changes, mtimes=mtimes)
+
+
+def locate(python: Optional[str] = None) -> InstalledTorch:
+    """The torch of interpreter ``python`` (default: this one)."""
+    python = python or sys.executable
+    return InstalledTorch(python, run_locate(python))

@@ -1,0 +1,75 @@
+"""A PyTorch source tree (a v2.15.0 checkout or release tarball) as a target.
+
+The base is recognised by ``version.txt`` and, in a git checkout, by ``HEAD``
+being the pinned commit. A tree without ``.git`` is recognised by
+``version.txt`` plus the git blob ids of the touched files matching the
+pre-images the patches name (checked by :mod:`torch_patches.ops`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import List, Optional
+
+from . import base, fsutil, marker as markers
+from .errors import TorchPatchesError
+from .patching import Files
+from .target import Target
+
+
+class SourceTree(Target):
+    """Files at their repo paths under ``root``."""
+
+    kind = "source"
+
+    def __init__(self, root):
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise TorchPatchesError(f"{root} is not a directory")
+        version = self.read("version.txt")
+        self.version = version.decode("utf-8", "replace").strip() if version is not None else ""
+        self.head = self._git_head() if (self.root / ".git").exists() else None
+
+    def _git_head(self) -> str:
+        try:
+            proc = subprocess.run(["git", "-C", str(self.root), "rev-parse", "HEAD"],
+                                  capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise TorchPatchesError(f"{self.root} is a git checkout but `git` is not installed")
+        return proc.stdout.strip() if proc.returncode == 0 else "?"
+
+    def describe(self) -> List[str]:
+        lines = [f"source:  {self.root}", f"version: {self.version or '(no version.txt)'}"]
+        lines.append(f"commit:  {self.head}" if self.head else "commit:  (not a git checkout)")
+        return lines
+
+    def base_problem(self) -> Optional[str]:
+        if not self.version:
+            return f"{self.root} has no version.txt; is it a PyTorch source tree?"
+        if self.version != base.BASE_VERSION:
+            return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.BASE_VERSION}; "
+                    f"check out v{base.BASE_VERSION}")
+        if self.head is not None and self.head != base.BASE_GIT_VERSION:
+            return (f"{self.root} is at commit {self.head[:12]}, not the pinned base "
+                    f"{base.BASE_GIT_VERSION[:12]} (v{base.BASE_VERSION}); "
+                    f"run `git -C {self.root} checkout v{base.BASE_VERSION}`")
+        return None
+
+    def load_marker(self) -> Optional[dict]:
+        data = self.read(markers.SOURCE_MARKER_NAME)
+        return None if data is None else markers.loads(data, str(self.root / markers.SOURCE_MARKER_NAME))
+
+    def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
+        current = self.read_all(set(pristine) | set(new or {}))
+        target = new if new is not None else pristine
+        changes: Files = {p: d for p, d in target.items() if current.get(p) != d}
+        mtimes = None
+        if new is not None:
+            changes[markers.SOURCE_MARKER_NAME] = markers.dumps(marker)
+        else:
+            if self.read(markers.SOURCE_MARKER_NAME) is not None:
+                changes[markers.SOURCE_MARKER_NAME] = None
+            old = self.load_marker()
+            mtimes = markers.pristine_mtimes(old) if old else None
+        fsutil.write_files(self.root, changes, mtimes=mtimes)
