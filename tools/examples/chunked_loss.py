@@ -60,7 +60,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A decoder whose forward returns the final hidden state; the loss runs ``lm_head``."""
+    """A decoder that returns the final hidden state; the loss runs ``lm_head``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,17 +76,29 @@ class Transformer(nn.Module):
         return self.norm(h)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * scale
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return (
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        * scale
+    )
 
 
 def chunked_loss_backward(
-    model: Transformer, tokens: torch.Tensor, labels: torch.Tensor, *, num_chunks: int, scale: float
+    model: Transformer,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_chunks: int,
+    scale: float,
 ) -> torch.Tensor:
     """Forward and backward of one microbatch with a chunked loss; returns the loss."""
     h = model(tokens)
     # Detach per chunk so each chunk's backward stops at the hidden state
-    h_chunks = [c.detach().requires_grad_(h.requires_grad) for c in h.chunk(num_chunks, dim=1)]
+    h_chunks = [
+        c.detach().requires_grad_(h.requires_grad) for c in h.chunk(num_chunks, dim=1)
+    ]
     loss = torch.zeros(())
     # ``outer_backward=False`` when nothing else runs backward (frozen decoder)
     with model.lm_head.partial_backward(outer_backward=h.requires_grad):
@@ -112,8 +124,12 @@ def full_loss_backward(
 
 @contextlib.contextmanager
 def count_collectives(counts: collections.Counter) -> Iterator[None]:
-    """Counts the collectives FSDP issues by wrapping the ``torch.distributed`` calls."""
-    names = {"all_gather_single": "ag", "reduce_scatter_single": "rs", "all_reduce": "ar"}
+    """Counts FSDP's collectives by wrapping the ``torch.distributed`` calls."""
+    names = {
+        "all_gather_single": "ag",
+        "reduce_scatter_single": "rs",
+        "all_reduce": "ar",
+    }
     originals = {name: getattr(dist, name) for name in names}
 
     def wrap(name):
@@ -141,7 +157,9 @@ def shard(model: Transformer) -> Transformer:
     return model
 
 
-def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace) -> None:
+def train(
+    rank: int, world_size: int, store_path: str, args: argparse.Namespace
+) -> None:
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.set_num_threads(1)
@@ -157,7 +175,10 @@ def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace)
 
     for step in range(1, args.steps + 1):
         losses = torch.zeros(2)
-        counts: list[collections.Counter] = [collections.Counter(), collections.Counter()]
+        counts: list[collections.Counter] = [
+            collections.Counter(),
+            collections.Counter(),
+        ]
         for mb in range(args.microbatches):
             tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
             labels = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
@@ -165,7 +186,11 @@ def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace)
             is_last = mb == args.microbatches - 1
             for i, m in enumerate((model, reference)):
                 with (
-                    m.fsdp_policy(requires_gradient_sync=is_last, recurse=True, is_last_backward=is_last),
+                    m.fsdp_policy(
+                        requires_gradient_sync=is_last,
+                        recurse=True,
+                        is_last_backward=is_last,
+                    ),
                     count_collectives(counts[i]),
                 ):
                     if m is model:
@@ -181,10 +206,12 @@ def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace)
         if rank == 0:
             chunked, full = counts
             print(
-                f"step {step}: loss {losses[0].item():.6f} (non-chunked {losses[1].item():.6f}) | "
-                f"chunked: reduce-scatter {chunked['rs']}, all-gather {chunked['ag']}, "
-                f"all-reduce {chunked['ar']} | non-chunked: reduce-scatter {full['rs']}, "
-                f"all-gather {full['ag']}, all-reduce {full['ar']}",
+                f"step {step}: loss {losses[0].item():.6f} "
+                f"(non-chunked {losses[1].item():.6f}) | chunked: "
+                f"reduce-scatter {chunked['rs']}, all-gather {chunked['ag']}, "
+                f"all-reduce {chunked['ar']} | non-chunked: "
+                f"reduce-scatter {full['rs']}, all-gather {full['ag']}, "
+                f"all-reduce {full['ar']}",
                 flush=True,
             )
     dist.destroy_process_group()
@@ -192,10 +219,16 @@ def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-chunks", type=int, default=4, help="loss chunks per microbatch")
-    parser.add_argument("--microbatches", type=int, default=2, help="microbatches per optimizer step")
+    parser.add_argument(
+        "--num-chunks", type=int, default=4, help="loss chunks per microbatch"
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=2, help="microbatches per optimizer step"
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--world-size", type=int, default=2, help="number of gloo ranks")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="number of gloo ranks"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_dir:
         mp.start_processes(

@@ -1,0 +1,1009 @@
+# Owner(s): ["oncall: distributed"]
+"""
+Lifecycle tests for ``FSDPModule.partial_backward`` and
+``FSDPModule.finish_forward`` (pytorch/pytorch#203176): a chunked loss that
+runs one head-only backward per chunk on a detached hidden state, then one
+decoder backward.
+
+The matrix runs on CPU with gloo (FSDP on 2 ranks, HSDP on a 2x2 mesh) and
+checks every scenario against a single-process full-logits reference: losses,
+gradients, parameters after an optimizer step, the number of collectives per
+parameter group, the head's all-gathers and the decoder backward's implicit
+prefetches against a non-chunked run of the same model, and that every
+module's ``FSDPPolicy`` is the caller's again after the loop.
+"""
+
+import collections
+import contextlib
+import copy
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.testing._internal.common_utils import run_tests
+
+
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+from fsdp_lifecycle_testing import (  # noqa: E402
+    CollectiveCounter,
+    GlooMultiProcessTestCase,
+)
+
+
+VOCAB_SIZE, DIM, SEQ_LEN, BATCH_SIZE = 32, 16, 12, 2
+NUM_MICROBATCHES, NUM_CHUNKS = 3, 3
+LR = 0.5
+ATOL, RTOL = 1e-5, 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class Transformer(nn.Module):
+    """
+    A decoder whose forward returns the hidden state; ``lm_head`` runs outside
+    the forward, per chunk. ``norm_in_forward=False`` leaves ``norm`` to the
+    chunk call too: ``lm_head(norm(h_chunk))``.
+    """
+
+    def __init__(self, *, norm_in_forward: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB_SIZE, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB_SIZE, bias=False)
+        self.norm_in_forward = norm_in_forward
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h) if self.norm_in_forward else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The chunk call: ``lm_head(h)`` or ``lm_head(norm(h))``."""
+        return self.lm_head(h if self.norm_in_forward else self.norm(h))
+
+
+# Head layouts: the modules passed together to ``fully_shard`` for the head
+HEAD_LAYOUTS = {
+    "separate": ("lm_head",),
+    "grouped": ("norm", "lm_head"),
+    "tied": ("tok_embeddings", "norm", "lm_head"),
+}
+
+
+def _make_models(
+    layout: str, training: str, *, norm_in_forward: bool, mesh: DeviceMesh
+) -> tuple[Transformer, Transformer]:
+    """Returns ``(model, ref)``: the FSDP model and an unsharded copy."""
+    torch.manual_seed(42)
+    ref = Transformer(norm_in_forward=norm_in_forward)
+    if layout == "tied":
+        ref.lm_head.weight = ref.tok_embeddings.weight
+    if training == "frozen_trunk":
+        trainable = {
+            id(p)
+            for n in HEAD_LAYOUTS[layout]
+            for p in ref.get_submodule(n).parameters()
+        }
+    elif training == "lm_head_only":
+        trainable = {id(ref.lm_head.weight)}
+    else:
+        assert training == "full", training
+        trainable = {id(p) for p in ref.parameters()}
+    for param in ref.parameters():
+        param.requires_grad_(id(param) in trainable)
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    head_modules = [model.get_submodule(n) for n in HEAD_LAYOUTS[layout]]
+    fully_shard(head_modules if len(head_modules) > 1 else head_modules[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, ref
+
+
+def _fsdp_states(model: nn.Module) -> list[Any]:
+    states: dict[Any, None] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            states.setdefault(module._get_fsdp_state(), None)
+    return list(states)
+
+
+def _param_groups(model: nn.Module) -> list[FSDPParamGroup]:
+    return [g for state in _fsdp_states(model) for g in state._fsdp_param_groups]
+
+
+def _trainable_groups(model: nn.Module) -> list[FSDPParamGroup]:
+    return [
+        g
+        for g in _param_groups(model)
+        if any(p.sharded_param.requires_grad for p in g.fsdp_params)
+    ]
+
+
+def _head_group(model: Transformer) -> FSDPParamGroup:
+    (group,) = model.lm_head._get_fsdp_state()._fsdp_param_groups
+    return group
+
+
+def _group_name(group: FSDPParamGroup) -> str:
+    return group._module_fqn or "<root>"
+
+
+def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
+    return {
+        name: module.get_fsdp_policy()
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+    }
+
+
+def _bookkeeping(model: FSDPModule) -> dict[str, Any]:
+    """FSDP's per-iteration state, as plain values."""
+    root_state = model._get_fsdp_state()
+    states = _fsdp_states(model)
+    return {
+        # The communication context gets its post-forward order at lazy init
+        "post_forward_order": len(
+            getattr(root_state._comm_ctx, "post_forward_order", ())
+        ),
+        "post_forward_indices": [
+            len(g._post_forward_indices) for g in _param_groups(model)
+        ],
+        "reduce_scatter_states": len(
+            getattr(root_state._comm_ctx, "reduce_scatter_states", ())
+        ),
+        "modules_to_run_forward": [len(s._modules_to_run_forward) for s in states],
+        "iter_forward_root": root_state._state_ctx.iter_forward_root is not None,
+        "state_training_states": [s._training_state for s in states],
+        "group_training_states": [g._training_state for g in _param_groups(model)],
+        "post_backward_pending": [
+            g._post_backward_pending for g in _param_groups(model)
+        ],
+        "partial_backward": root_state._state_ctx.partial_backward is not None,
+        "callback_queued": root_state._state_ctx.post_backward_final_callback_queued,
+    }
+
+
+class _Recorder:
+    """
+    Attributes FSDP's collectives to parameter groups by wrapping
+    ``foreach_all_gather``/``foreach_reduce`` (as ``_fsdp_param_group`` calls
+    them) around a :class:`CollectiveCounter`, and records backward prefetches
+    by wrapping ``FSDPParamGroup._prefetch_unshard``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.counter = CollectiveCounter()
+        self._group_of = {id(p): g for g in _param_groups(model) for p in g.fsdp_params}
+        self.all_gathers: collections.Counter[FSDPParamGroup] = collections.Counter()
+        self.reduce_scatters: collections.Counter[FSDPParamGroup] = (
+            collections.Counter()
+        )
+        self.all_reduces: collections.Counter[FSDPParamGroup] = collections.Counter()
+        # ``(source, target)`` of the implicit backward prefetches issued while
+        # ``record_prefetches`` is set
+        self.prefetches: list[tuple[FSDPParamGroup, FSDPParamGroup]] = []
+        self.record_prefetches = False
+        self._prefetch_sources: list[FSDPParamGroup] = []
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator["_Recorder"]:
+        orig_all_gather = _fsdp_param_group.foreach_all_gather
+        orig_reduce = _fsdp_param_group.foreach_reduce
+        orig_prefetch = FSDPParamGroup.__dict__["_prefetch_unshard"]
+        orig_backward_prefetch = FSDPParamGroup._backward_prefetch
+
+        def all_gather(fsdp_params, *args, **kwargs):
+            self.all_gathers[self._group_of[id(fsdp_params[0])]] += 1
+            return orig_all_gather(fsdp_params, *args, **kwargs)
+
+        def reduce(fsdp_params, *args, **kwargs):
+            group = self._group_of[id(fsdp_params[0])]
+            num_rs, num_ar = self.counter["reduce_scatter"], self.counter["all_reduce"]
+            out = orig_reduce(fsdp_params, *args, **kwargs)
+            self.reduce_scatters[group] += self.counter["reduce_scatter"] - num_rs
+            self.all_reduces[group] += self.counter["all_reduce"] - num_ar
+            return out
+
+        def backward_prefetch(group):
+            self._prefetch_sources.append(group)
+            try:
+                return orig_backward_prefetch(group)
+            finally:
+                self._prefetch_sources.pop()
+
+        def prefetch(target, pass_type):
+            if pass_type == "backward" and self.record_prefetches:
+                self.prefetches.append((self._prefetch_sources[-1], target))
+            return orig_prefetch.__func__(target, pass_type)
+
+        try:
+            _fsdp_param_group.foreach_all_gather = all_gather
+            _fsdp_param_group.foreach_reduce = reduce
+            FSDPParamGroup._prefetch_unshard = staticmethod(prefetch)
+            FSDPParamGroup._backward_prefetch = backward_prefetch
+            with self.counter.count():
+                yield self
+        finally:
+            _fsdp_param_group.foreach_all_gather = orig_all_gather
+            _fsdp_param_group.foreach_reduce = orig_reduce
+            FSDPParamGroup._prefetch_unshard = orig_prefetch
+            FSDPParamGroup._backward_prefetch = orig_backward_prefetch
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Sum over this chunk's tokens, normalized by the microbatch's token count
+    # and the number of microbatches, so chunk losses add up to the full loss
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (
+        BATCH_SIZE * SEQ_LEN * NUM_MICROBATCHES
+    )
+
+
+def _chunked_loss_step(
+    model: Transformer,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_chunks: int = NUM_CHUNKS,
+    recorder: _Recorder | None = None,
+    chunk_hook: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """
+    One microbatch of the chunked loss: root forward, one head-only backward
+    per chunk inside ``partial_backward``, then the decoder backward (none when
+    the hidden state requires no gradient, e.g. a frozen decoder).
+    """
+    h = model(tokens)
+    h_chunks = [
+        c.detach().requires_grad_(h.requires_grad) for c in h.chunk(num_chunks, dim=1)
+    ]
+    total_loss = torch.zeros(())
+    with model.lm_head.partial_backward(outer_backward=h.requires_grad):
+        for i, (h_chunk, label_chunk) in enumerate(
+            zip(h_chunks, labels.chunk(num_chunks, dim=1))
+        ):
+            logits = model.lm_head.finish_forward(model.head(h_chunk))
+            loss = _loss(logits, label_chunk)
+            loss.backward()
+            total_loss += loss.detach()
+            if chunk_hook is not None:
+                chunk_hook(i)
+    if h.requires_grad:
+        if recorder is not None:
+            recorder.record_prefetches = True
+        h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+        if recorder is not None:
+            recorder.record_prefetches = False
+    return total_loss
+
+
+def _full_loss_step(
+    model: Transformer,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    recorder: _Recorder | None = None,
+) -> torch.Tensor:
+    """One microbatch without chunking: full logits in one backward."""
+    h = model(tokens)
+    logits = model.lm_head.finish_forward(model.head(h))
+    loss = _loss(logits, labels)
+    if recorder is not None:
+        recorder.record_prefetches = True
+    loss.backward()
+    if recorder is not None:
+        recorder.record_prefetches = False
+    return loss.detach()
+
+
+def _microbatch_policy(model: FSDPModule, deferral: str, mb: int):
+    """The caller's policy scope for microbatch ``mb`` of a step."""
+    is_last = mb == NUM_MICROBATCHES - 1
+    if deferral == "on":
+        return model.fsdp_policy(
+            requires_gradient_sync=is_last, recurse=True, is_last_backward=is_last
+        )
+    if deferral == "rs_only":
+        return model.fsdp_policy(
+            requires_all_reduce=is_last, recurse=True, is_last_backward=is_last
+        )
+    assert deferral == "off", deferral
+    return contextlib.nullcontext()
+
+
+def _make_data(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    tokens = [
+        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
+        for _ in range(NUM_MICROBATCHES)
+    ]
+    labels = [
+        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
+        for _ in range(NUM_MICROBATCHES)
+    ]
+    return tokens, labels
+
+
+class _LifecycleTestMixin:
+    """Shared scenario runner; see :meth:`_test_chunked_loss`."""
+
+    def _mesh(self) -> DeviceMesh:
+        if self.world_size == 4:
+            return init_device_mesh(
+                "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
+            )
+        return init_device_mesh("cpu", (self.world_size,))
+
+    def _reference_step(
+        self, ref: Transformer, tokens: list[torch.Tensor], labels: list[torch.Tensor]
+    ) -> list[list[float]]:
+        """
+        Runs every rank's microbatches through ``ref`` with full logits and
+        returns each rank's per-microbatch loss.
+        """
+        all_tokens: list[Any] = [None] * self.world_size
+        all_labels: list[Any] = [None] * self.world_size
+        dist.all_gather_object(all_tokens, tokens)
+        dist.all_gather_object(all_labels, labels)
+        losses = []
+        for rank_tokens, rank_labels in zip(all_tokens, all_labels):
+            rank_losses = []
+            for mb_tokens, mb_labels in zip(rank_tokens, rank_labels):
+                loss = _loss(ref.head(ref(mb_tokens)), mb_labels)
+                (loss / self.world_size).backward()
+                rank_losses.append(loss.item())
+            losses.append(rank_losses)
+        return losses
+
+    def _assert_matches_reference(
+        self, model: nn.Module, ref: nn.Module, what: str
+    ) -> None:
+        for (name, param), (ref_name, ref_param) in zip(
+            model.named_parameters(), ref.named_parameters(), strict=True
+        ):
+            self.assertEqual(name, ref_name)
+            if what == "grad":
+                if ref_param.grad is None:
+                    self.assertIsNone(param.grad, name)
+                    continue
+                self.assertIsNotNone(param.grad, name)
+                actual, expected = param.grad.full_tensor(), ref_param.grad
+            else:
+                actual, expected = param.full_tensor(), ref_param.detach()
+            torch.testing.assert_close(
+                actual,
+                expected,
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, name=name: f"{what} of {name}: {m}",
+            )
+
+    def _run_step(
+        self,
+        model: Transformer,
+        tokens,
+        labels,
+        deferral: str,
+        *,
+        chunked: bool,
+        recorder: _Recorder,
+    ) -> tuple[list[float], list[int], list[FSDPParamGroup]]:
+        """
+        One optimizer step's microbatches; returns the losses, the head
+        group's all-gathers per microbatch and the recorded prefetches.
+        """
+        head = _head_group(model)
+        head_state = model.lm_head._get_fsdp_state()
+
+        def check_chunk_finished(chunk: int) -> None:
+            # ``finish_forward`` completed the chunk's (partial) group forward
+            self.assertEqual(len(head_state._modules_to_run_forward), 0)
+            self.assertIsNone(head_state._state_ctx.iter_forward_root)
+            self.assertEqual(head._training_state, TrainingState.IDLE)
+            self.assertTrue(head.is_unsharded)
+
+        losses, head_all_gathers = [], []
+        for mb in range(NUM_MICROBATCHES):
+            num_head_all_gathers = recorder.all_gathers[head]
+            with _microbatch_policy(model, deferral, mb):
+                if chunked:
+                    loss = _chunked_loss_step(
+                        model,
+                        tokens[mb],
+                        labels[mb],
+                        recorder=recorder,
+                        chunk_hook=check_chunk_finished,
+                    )
+                else:
+                    loss = _full_loss_step(
+                        model, tokens[mb], labels[mb], recorder=recorder
+                    )
+            losses.append(loss.item())
+            head_all_gathers.append(recorder.all_gathers[head] - num_head_all_gathers)
+        return losses, head_all_gathers, recorder.prefetches
+
+    def _test_chunked_loss(
+        self, layout: str, norm_in_forward: bool, training: str, deferral: str
+    ):
+        mesh = self._mesh()
+        tokens, labels = _make_data(self.rank)
+
+        # Non-chunked run of the same model for all-gathers and prefetches
+        baseline, _ = _make_models(
+            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        with _Recorder(baseline).record() as baseline_recorder:
+            _, baseline_head_all_gathers, baseline_prefetches = self._run_step(
+                baseline,
+                tokens,
+                labels,
+                deferral,
+                chunked=False,
+                recorder=baseline_recorder,
+            )
+
+        model, ref = _make_models(
+            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        policies = _policies(model)
+        recorder = _Recorder(model)
+        with recorder.record():
+            losses, head_all_gathers, prefetches = self._run_step(
+                model, tokens, labels, deferral, chunked=True, recorder=recorder
+            )
+        self.assertEqual(_policies(model), policies)
+
+        # Numerics against the single-process full-logits reference
+        ref_losses = self._reference_step(ref, tokens, labels)
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(ref_losses[self.rank]),
+            atol=ATOL,
+            rtol=RTOL,
+        )
+        self._assert_matches_reference(model, ref, "grad")
+        if layout == "separate" and not norm_in_forward and training == "full":
+            # ``norm`` (root group) gets gradients only in the inner passes,
+            # without any FSDP hook for its group: reduced by the outer backward
+            self.assertIsNotNone(model.norm.weight.grad)
+        for params in (model.parameters(), ref.parameters()):
+            torch.optim.SGD([p for p in params if p.requires_grad], lr=LR).step()
+        self._assert_matches_reference(model, ref, "param")
+
+        # Each trainable group reduces once per step with deferral, once per
+        # microbatch without; HSDP all-reduces once per step unless deferral
+        # is off
+        trainable = _trainable_groups(model)
+        self.assertGreater(len(trainable), 0)
+        is_hsdp = mesh.ndim == 2
+        num_rs = 1 if deferral == "on" else NUM_MICROBATCHES
+        num_ar = (NUM_MICROBATCHES if deferral == "off" else 1) if is_hsdp else 0
+        for group in _param_groups(model):
+            expected_rs = num_rs if group in trainable else 0
+            expected_ar = num_ar if group in trainable else 0
+            self.assertEqual(
+                recorder.reduce_scatters[group], expected_rs, _group_name(group)
+            )
+            self.assertEqual(
+                recorder.all_reduces[group], expected_ar, _group_name(group)
+            )
+        self.assertEqual(recorder.counter["reduce_scatter"], num_rs * len(trainable))
+        self.assertEqual(recorder.counter["all_reduce"], num_ar * len(trainable))
+
+        # The head is all-gathered no more often than without chunking
+        for mb, (num_ag, baseline_ag) in enumerate(
+            zip(head_all_gathers, baseline_head_all_gathers)
+        ):
+            self.assertLessEqual(
+                num_ag, baseline_ag, f"head all-gathers in microbatch {mb}"
+            )
+        # The decoder backward issues as many implicit prefetches as without
+        # chunking, from each group but the head (whose head-only backward runs
+        # inside ``partial_backward``, without prefetching). Targets may differ
+        # across microbatches: without finalization, the post-forward order
+        # keeps earlier microbatches' entries, and the non-chunked run's
+        # include the head's forward, which ``partial_backward`` drops
+        decoder_prefetches = collections.Counter(
+            _group_name(source)
+            for source, _ in prefetches
+            if source is not _head_group(model)
+        )
+        baseline_decoder_prefetches = collections.Counter(
+            _group_name(source)
+            for source, _ in baseline_prefetches
+            if source is not _head_group(baseline)
+        )
+        self.assertEqual(decoder_prefetches, baseline_decoder_prefetches)
+
+        # Finalized: nothing pending after the step
+        bookkeeping = _bookkeeping(model)
+        self.assertFalse(any(bookkeeping["post_backward_pending"]))
+        self.assertEqual(bookkeeping["post_forward_order"], 0)
+        self.assertFalse(bookkeeping["iter_forward_root"])
+
+
+class TestFullyShardChunkedLoss(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """The chunked-loss matrix on FSDP (2 ranks), one spawn per head layout."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _run_layout(self, layout: str) -> None:
+        self.run_subtests(
+            {
+                "layout": [layout],
+                "norm_in_forward": [True, False],
+                "training": ["full", "frozen_trunk", "lm_head_only"],
+                "deferral": ["on", "off"],
+            },
+            self._test_chunked_loss,
+        )
+
+    def test_chunked_loss_separate_head(self):
+        self._run_layout("separate")
+
+    def test_chunked_loss_grouped_head(self):
+        self._run_layout("grouped")
+
+    def test_chunked_loss_tied_grouped_head(self):
+        self._run_layout("tied")
+
+
+class TestFullyShardChunkedLossHSDP(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """
+    The chunked-loss matrix on HSDP (2x2 mesh, 4 ranks), one spawn per head
+    layout; ``rs_only`` turns the replica all-reduce off for early
+    microbatches (reduce-scatter per microbatch, all-reduce once per step).
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _run_layout(self, layout: str) -> None:
+        self.run_subtests(
+            {
+                "layout": [layout],
+                "norm_in_forward": [True, False],
+                "training": ["full", "frozen_trunk", "lm_head_only"],
+                "deferral": ["on", "off", "rs_only"],
+            },
+            self._test_chunked_loss,
+        )
+
+    def test_chunked_loss_separate_head(self):
+        self._run_layout("separate")
+
+    def test_chunked_loss_grouped_head(self):
+        self._run_layout("grouped")
+
+    def test_chunked_loss_tied_grouped_head(self):
+        self._run_layout("tied")
+
+
+class _InjectedError(Exception):
+    pass
+
+
+class _TupleHead(nn.Module):
+    """A head that returns a nested structure: ``(logits, {"lse": ...})``."""
+
+    def __init__(self, *, as_dict: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, VOCAB_SIZE)
+        self.as_dict = as_dict
+
+    def forward(self, h: torch.Tensor) -> Any:
+        logits = self.lin(h)
+        if self.as_dict:
+            return {"logits": logits, "extra": [logits.logsumexp(-1)]}
+        return logits, {"lse": logits.logsumexp(-1)}
+
+
+class _TwoHeadTransformer(Transformer):
+    """``Transformer`` with two heads in one group; a chunk runs only ``head_a``."""
+
+    def __init__(self, *, as_dict: bool) -> None:
+        super().__init__(norm_in_forward=True)
+        del self.lm_head
+        self.head_a = _TupleHead(as_dict=as_dict)
+        self.head_b = nn.Linear(DIM, VOCAB_SIZE)
+
+    def head_loss(self, out: Any, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(out, dict):
+            logits, lse = out["logits"], out["extra"][0]
+        else:
+            logits, lse = out[0], out[1]["lse"]
+        return _loss(logits, labels) + 1e-2 * lse.square().sum() / (
+            BATCH_SIZE * SEQ_LEN * NUM_MICROBATCHES
+        )
+
+
+class TestFullyShardPartialBackwardLifecycle(
+    _LifecycleTestMixin, GlooMultiProcessTestCase
+):
+    """Faults, misuse, evaluation, bounded bookkeeping and tuple outputs."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _assert_idle(self, model: Transformer) -> None:
+        bookkeeping = _bookkeeping(model)
+        self.assertEqual(bookkeeping["post_forward_order"], 0)
+        self.assertEqual(
+            bookkeeping["modules_to_run_forward"], [0] * len(_fsdp_states(model))
+        )
+        self.assertFalse(bookkeeping["iter_forward_root"])
+        self.assertFalse(bookkeeping["partial_backward"])
+        self.assertFalse(bookkeeping["callback_queued"])
+        for training_state in (
+            bookkeeping["state_training_states"] + bookkeeping["group_training_states"]
+        ):
+            self.assertEqual(training_state, TrainingState.IDLE)
+
+    def _step(self, model: Transformer, tokens, labels, *, chunk_hooks=None) -> None:
+        """One deferred step; ``chunk_hooks[mb]`` runs after each chunk's backward."""
+        for mb in range(NUM_MICROBATCHES):
+            with _microbatch_policy(model, "on", mb):
+                _chunked_loss_step(
+                    model,
+                    tokens[mb],
+                    labels[mb],
+                    chunk_hook=(chunk_hooks or {}).get(mb),
+                )
+
+    @staticmethod
+    def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            n: p.grad.full_tensor()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+
+    def test_exception_in_chunk_loop_restores_policy(self):
+        """
+        An exception inside ``partial_backward`` restores every module's
+        policy and ``is_last_backward``; after ``reset_iter_state`` a retry
+        of the step gives gradients bitwise equal to a clean run.
+        """
+        self.run_subtests(
+            {
+                "layout": ["separate", "grouped", "tied"],
+                "failed_microbatch": [0, NUM_MICROBATCHES - 1],
+            },
+            self._test_exception_in_chunk_loop_restores_policy,
+        )
+
+    def _test_exception_in_chunk_loop_restores_policy(
+        self, layout: str, failed_microbatch: int
+    ):
+        mesh = self._mesh()
+        tokens, labels = _make_data(self.rank)
+        clean, _ = _make_models(layout, "full", norm_in_forward=False, mesh=mesh)
+        model, _ = _make_models(layout, "full", norm_in_forward=False, mesh=mesh)
+        # Caller's policies that differ from the no-sync ones applied inside
+        for m in (clean, model):
+            m.layers[0].set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+            m.lm_head.set_fsdp_policy(
+                FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True)
+            )
+        policies = _policies(model)
+        self._step(clean, tokens, labels)
+        root_state_ctx = model._get_fsdp_state()._state_ctx
+
+        def fail(chunk: int) -> None:
+            if chunk == 1:
+                raise _InjectedError
+
+        with self.assertRaises(_InjectedError):
+            self._step(model, tokens, labels, chunk_hooks={failed_microbatch: fail})
+        self.assertEqual(_policies(model), policies)
+        self.assertIsNone(root_state_ctx.partial_backward)
+        self.assertTrue(root_state_ctx.is_last_backward)
+
+        model.reset_iter_state()
+        model.zero_grad(set_to_none=True)
+        self._step(model, tokens, labels)
+        self.assertEqual(_policies(model), policies)
+        grads, clean_grads = self._grads(model), self._grads(clean)
+        self.assertEqual(grads.keys(), clean_grads.keys())
+        for name, grad in grads.items():
+            self.assertTrue(torch.equal(grad, clean_grads[name]), name)
+        self._assert_idle(model)
+
+    def test_misuse_raises_without_state_change(self):
+        """
+        Nesting on the same root, use before lazy init, use during backward
+        (tensor hook and ``autograd.Function.backward``) and a non-bool
+        ``outer_backward`` raise without changing any state.
+        """
+        mesh = self._mesh()
+        tokens, labels = _make_data(self.rank)
+        model, _ = _make_models("grouped", "full", norm_in_forward=True, mesh=mesh)
+
+        def snapshot() -> tuple[Any, ...]:
+            return _policies(model), _bookkeeping(model)
+
+        # Before lazy init (no root forward yet)
+        before = snapshot()
+        for module in (model, model.lm_head, model.layers[0]):
+            with self.assertRaisesRegex(RuntimeError, "lazy initialization"):
+                with module.partial_backward():
+                    pass
+        self.assertEqual(snapshot(), before)
+
+        with self.assertRaisesRegex(TypeError, "outer_backward must be a bool"):
+            with model.lm_head.partial_backward(outer_backward=1):
+                pass
+
+        # Nesting, on the same module and on another module of the same root
+        h = model(tokens[0])
+        h_chunks = [c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)]
+        with model.lm_head.partial_backward():
+            logits = model.lm_head.finish_forward(model.lm_head(h_chunks[0]))
+            _loss(logits, labels[0].chunk(NUM_CHUNKS, dim=1)[0]).backward()
+            inside = snapshot()
+            for module in (model.lm_head, model, model.layers[1]):
+                with self.assertRaisesRegex(RuntimeError, "already active"):
+                    with module.partial_backward():
+                        pass
+                self.assertEqual(snapshot(), inside)
+
+        # During backward: from a tensor hook and from a custom backward
+        errors: list[str] = []
+
+        def try_enter() -> None:
+            state = snapshot()
+            try:
+                with model.lm_head.partial_backward():
+                    pass
+            except RuntimeError as e:
+                errors.append(str(e))
+            if snapshot() != state:
+                errors.append("state changed")
+
+        class EnterInBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                try_enter()
+                return grad
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            try_enter()
+            return grad
+
+        h = model(tokens[1])
+        h.register_hook(hook)
+        logits = model.lm_head.finish_forward(model.lm_head(EnterInBackward.apply(h)))
+        _loss(logits, labels[1]).backward()
+        self.assertEqual(len(errors), 2, errors)
+        for error in errors:
+            self.assertIn("during a backward", error)
+        self._assert_idle(model)
+
+    def test_finish_forward_on_complete_forward_is_noop(self):
+        """``finish_forward`` returns the same object and changes nothing."""
+        mesh = self._mesh()
+        tokens, _ = _make_data(self.rank)
+        for layout, norm_in_forward in (
+            ("separate", True),
+            ("grouped", False),
+            ("tied", False),
+        ):
+            model, _ = _make_models(
+                layout, "full", norm_in_forward=norm_in_forward, mesh=mesh
+            )
+            h = model(tokens[0])
+            if layout == "tied":
+                # Every module of the group runs: the call completes its forward
+                out = model.head(h + model.tok_embeddings(tokens[0]))
+            else:
+                out = model.head(h)
+            before = _policies(model), _bookkeeping(model)
+            for output in (out, (out, [out]), {"a": out}):
+                self.assertIs(model.lm_head.finish_forward(output), output)
+                self.assertEqual((_policies(model), _bookkeeping(model)), before)
+            out.sum().backward()
+            self._assert_idle(model)
+
+    def test_evaluation_leaves_groups_sharded(self):
+        """
+        ``no_grad`` chunk calls plus ``finish_forward`` leave every non-root
+        group sharded with no pending bookkeeping, for 50 batches.
+        """
+        self.run_subtests(
+            {
+                "layout": ["separate", "grouped", "tied"],
+                "norm_in_forward": [True, False],
+            },
+            self._test_evaluation_leaves_groups_sharded,
+        )
+
+    def _test_evaluation_leaves_groups_sharded(
+        self, layout: str, norm_in_forward: bool
+    ):
+        mesh = self._mesh()
+        model, ref = _make_models(
+            layout, "full", norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        root_groups = model._get_fsdp_state()._fsdp_param_groups
+        gen = torch.Generator().manual_seed(self.rank)
+        for batch in range(50):
+            tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
+            with torch.no_grad():
+                h = model(tokens)
+                logits = torch.cat(
+                    [
+                        model.lm_head.finish_forward(model.head(c))
+                        for c in h.chunk(NUM_CHUNKS, dim=1)
+                    ],
+                    dim=1,
+                )
+                if batch == 0:
+                    torch.testing.assert_close(
+                        logits, ref.head(ref(tokens)), atol=ATOL, rtol=RTOL
+                    )
+            for group in _param_groups(model):
+                if group not in root_groups:
+                    self.assertTrue(group.is_sharded, _group_name(group))
+            self._assert_idle(model)
+            self.assertEqual(
+                _bookkeeping(model)["post_forward_indices"],
+                [0] * len(_param_groups(model)),
+            )
+
+    def test_bookkeeping_bounded(self):
+        """
+        200 training iterations (alternating accumulation and synchronized
+        microbatches) keep FSDP's per-iteration bookkeeping bounded.
+        """
+        mesh = self._mesh()
+        model, _ = _make_models("grouped", "full", norm_in_forward=True, mesh=mesh)
+        optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+        tokens, labels = _make_data(self.rank)
+        snapshots = {}
+        for it in range(1, 201):
+            is_last = it % 2 == 0
+            with model.fsdp_policy(
+                requires_gradient_sync=is_last, recurse=True, is_last_backward=is_last
+            ):
+                _chunked_loss_step(
+                    model, tokens[it % NUM_MICROBATCHES], labels[it % NUM_MICROBATCHES]
+                )
+            if is_last:
+                optim.step()
+                optim.zero_grad()
+            if it in (9, 10, 199, 200):
+                snapshots[it] = _bookkeeping(model)
+        self.assertEqual(snapshots[9], snapshots[199])
+        self.assertEqual(snapshots[10], snapshots[200])
+        self._assert_idle(model)
+
+    def test_tuple_outputs(self):
+        """
+        Two heads in one group, only ``head_a`` runs per chunk and returns a
+        nested tuple or dict: ``finish_forward`` keeps the structure and the
+        gradients match the reference.
+        """
+        self.run_subtests({"as_dict": [False, True]}, self._test_tuple_outputs)
+
+    def _test_tuple_outputs(self, as_dict: bool):
+        mesh = self._mesh()
+        torch.manual_seed(42)
+        ref = _TwoHeadTransformer(as_dict=as_dict)
+        model = copy.deepcopy(ref)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard([model.head_a, model.head_b], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        tokens, labels = _make_data(self.rank)
+        recorder = _Recorder(model)
+        with recorder.record():
+            for mb in range(NUM_MICROBATCHES):
+                with _microbatch_policy(model, "on", mb):
+                    h = model(tokens[mb])
+                    h_chunks = [
+                        c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)
+                    ]
+                    with model.head_a.partial_backward():
+                        for h_chunk, label_chunk in zip(
+                            h_chunks, labels[mb].chunk(NUM_CHUNKS, dim=1)
+                        ):
+                            out = model.head_a(h_chunk)
+                            finished = model.head_a.finish_forward(out)
+                            self.assertIs(type(finished), type(out))
+                            if as_dict:
+                                self.assertEqual(finished.keys(), out.keys())
+                                self.assertIsInstance(finished["extra"], list)
+                            else:
+                                self.assertIsInstance(finished[1], dict)
+                            model.head_loss(finished, label_chunk).backward()
+                    h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+        all_tokens: list[Any] = [None] * self.world_size
+        all_labels: list[Any] = [None] * self.world_size
+        dist.all_gather_object(all_tokens, tokens)
+        dist.all_gather_object(all_labels, labels)
+        for rank_tokens, rank_labels in zip(all_tokens, all_labels):
+            for mb_tokens, mb_labels in zip(rank_tokens, rank_labels):
+                (
+                    ref.head_loss(ref.head_a(ref(mb_tokens)), mb_labels)
+                    / self.world_size
+                ).backward()
+        self._assert_matches_reference(model, ref, "grad")
+        self.assertIsNone(model.head_b.weight.grad)
+        self.assertEqual(
+            recorder.reduce_scatters[
+                model.head_a._get_fsdp_state()._fsdp_param_groups[0]
+            ],
+            1,
+        )
+        self._assert_idle(model)
+
+    def test_outer_backward_false_finalizes(self):
+        """
+        With a frozen decoder, ``partial_backward(outer_backward=False)``
+        accumulates on early microbatches, reduces exactly once on the last
+        and finalizes: nothing pending afterwards.
+        """
+        mesh = self._mesh()
+        model, ref = _make_models(
+            "separate", "frozen_trunk", norm_in_forward=False, mesh=mesh
+        )
+        tokens, labels = _make_data(self.rank)
+        head = _head_group(model)
+        recorder = _Recorder(model)
+        with recorder.record():
+            for mb in range(NUM_MICROBATCHES):
+                with _microbatch_policy(model, "on", mb):
+                    h = model(tokens[mb])
+                    self.assertFalse(h.requires_grad)
+                    with model.lm_head.partial_backward(outer_backward=False):
+                        for h_chunk, label_chunk in zip(
+                            h.chunk(NUM_CHUNKS, dim=1),
+                            labels[mb].chunk(NUM_CHUNKS, dim=1),
+                        ):
+                            _loss(model.head(h_chunk), label_chunk).backward()
+                    self.assertEqual(
+                        head._post_backward_pending, mb < NUM_MICROBATCHES - 1
+                    )
+                    self.assertEqual(
+                        recorder.reduce_scatters[head], int(mb == NUM_MICROBATCHES - 1)
+                    )
+                    # Exit resharded per the caller's reshard_after_backward
+                    self.assertTrue(head.is_sharded)
+        self.assertEqual(recorder.counter["reduce_scatter"], 1)
+        self.assertFalse(any(g._post_backward_pending for g in _param_groups(model)))
+        self._assert_idle(model)
+        self._reference_step(ref, tokens, labels)
+        self._assert_matches_reference(model, ref, "grad")
+
+
+if __name__ == "__main__":
+    run_tests()
