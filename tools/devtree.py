@@ -32,12 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torch_patches import base, marker as markers  # noqa: E402
+from torch_patches import base  # noqa: E402
 from torch_patches.errors import TorchPatchesError  # noqa: E402
-from torch_patches.installed import locate  # noqa: E402
+from torch_patches.installed import pristine_base_files  # noqa: E402
 from torch_patches.series import DEFAULT_SERIES_DIR, load_series, parse_patch  # noqa: E402
 
-PREFIXES = ("torch/distributed/fsdp/", "torch/distributed/pipelining/")
 FIXED_DATE = "2000-01-01T00:00:00+0000"
 
 
@@ -48,34 +47,6 @@ def git(tree: Path, *args: str, env=None, capture=True) -> str:
     if proc.returncode != 0:
         raise TorchPatchesError(f"git {' '.join(args)} failed:\n{(proc.stderr or '').strip()}")
     return proc.stdout or ""
-
-
-def pristine_base_files(python: str | None) -> dict:
-    """``{repo path: bytes}`` of the base fsdp/pipelining sources, RECORD-verified."""
-    target = locate(python)
-    if target.kind == "wheel":
-        raise TorchPatchesError(
-            f"torch {target.dist_version} was installed from a patched wheel; its pristine files are "
-            f"not available. Use an interpreter with torch=={base.BASE_VERSION} (--python PY).")
-    problem = target.base_problem()
-    if problem:
-        raise TorchPatchesError(problem)
-    record = target.pristine_record()
-    rels = [p for p, _, _ in record.rows() if p.startswith(PREFIXES) and p.endswith(".py")]
-    files = target.read_all(rels)
-    old = target.load_marker()
-    if old is not None:
-        changed = markers.changed_since(old, target.read_all(old["files"]))
-        if changed:
-            raise TorchPatchesError(f"files changed after the series was applied: {', '.join(changed)}")
-        files.update({p: d for p, d in markers.pristine_files(old).items() if p in files})
-    problems = target.verify_pristine(files)
-    if problems:
-        raise TorchPatchesError(
-            f"the torch of {target.executable} does not match its RECORD (edited in place?):\n  "
-            + "\n  ".join(problems[:10])
-            + f"\nUse an interpreter with an unmodified torch=={base.BASE_VERSION} (--python PY).")
-    return files
 
 
 def _identity_env(tree: Path) -> dict:

@@ -78,6 +78,33 @@ def cmd_wheel(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from . import export as ex
+    from .installed import pristine_base_files
+    from .onto import check_onto
+    series = _series(args)
+    repo = Path(args.repo).resolve()
+    results = ex.load_results(args.results)
+    if args.run_tests:
+        results_file = Path(args.results or Path(args.output) / "test-results.json")
+        results_file.parent.mkdir(parents=True, exist_ok=True)
+        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, progress=_progress)
+    base_files = pristine_base_files(args.python, ex.base_prefixes(series))
+    result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)
+    for warning in result.warnings:
+        print(f"warning: {warning}")
+    print(f"export: {len(result.order)} patch(es) for {len(result.groups)} PR(s) -> {result.out} "
+          f"(apply in the order of {result.out / 'series'})")
+    if args.onto:
+        lines, ok = check_onto(result.out, Path(args.onto))
+        print("\n".join(lines))
+        if not ok:
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torch-patches",
@@ -116,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", metavar="PY", help="interpreter whose wheel tags select the base wheel")
     p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
     p.set_defaults(func=cmd_wheel)
+    p = sub.add_parser("export", parents=[common],
+                       help="write the series as pytorch/pytorch PRs (git format-patch + PR.md per tracker)")
+    p.add_argument("-o", "--output", metavar="DIR", default="upstream",
+                   help="output directory (default: upstream)")
+    p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
+    p.add_argument("--python", metavar="PY", help="interpreter whose torch 2.15.0 gives the pristine base files")
+    p.add_argument("--repo", metavar="DIR", default=".",
+                   help="torch-fsdp-lifecycle checkout holding test/ (default: the current directory)")
+    p.add_argument("--results", metavar="FILE", help="recorded test results (JSON) for the Test Plan")
+    p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY (its torch must have the "
+                   "series applied) and record them in --results (default: DIR/test-results.json)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -156,6 +156,10 @@ class InstalledTorch(Target):
                 problems.append(f"{path} does not match its RECORD hash (modified after install?)")
         return problems
 
+    def is_unmodified(self, files: Files) -> bool:
+        # The RECORD pip wrote (before any in-place apply) vouches for them.
+        return self.dist_info is not None and not self.verify_pristine(files)
+
     def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
         current = self.read_all(set(pristine) | set(new or {}))
         rec = self.pristine_record()
@@ -187,3 +191,41 @@ def locate(python: Optional[str] = None) -> InstalledTorch:
     """The torch of interpreter ``python`` (default: this one)."""
     python = python or sys.executable
     return InstalledTorch(python, run_locate(python))
+
+
+#: Where the series' files live: the base trees ``devtree`` and ``export`` build from.
+BASE_PREFIXES = ("torch/distributed/fsdp/", "torch/distributed/pipelining/")
+
+
+def pristine_base_files(python: Optional[str] = None, prefixes=None) -> Files:
+    """``{repo path: bytes}`` of the base's ``.py`` files under ``prefixes``, RECORD-verified.
+
+    ``prefixes`` defaults to :data:`BASE_PREFIXES`. If that torch was patched in
+    place with this tool, the pristine copies its marker keeps are used; a torch
+    edited by hand is refused. Shared by ``tools/devtree.py`` and ``export``.
+    """
+    prefixes = tuple(prefixes or BASE_PREFIXES)
+    target = locate(python)
+    if target.kind == "wheel":
+        raise TorchPatchesError(
+            f"torch {target.dist_version} was installed from a patched wheel; its pristine files are "
+            f"not available. Use an interpreter with torch=={base.BASE_VERSION} (--python PY).")
+    problem = target.base_problem()
+    if problem:
+        raise TorchPatchesError(problem)
+    record = target.pristine_record()
+    rels = [p for p, _, _ in record.rows() if p.startswith(prefixes) and p.endswith(".py")]
+    files = target.read_all(rels)
+    old = target.load_marker()
+    if old is not None:
+        changed = markers.changed_since(old, target.read_all(old["files"]))
+        if changed:
+            raise TorchPatchesError(f"files changed after the series was applied: {', '.join(changed)}")
+        files.update({p: d for p, d in markers.pristine_files(old).items() if p in files})
+    problems = target.verify_pristine(files)
+    if problems:
+        raise TorchPatchesError(
+            f"the torch of {target.executable} does not match its RECORD (edited in place?):\n  "
+            + "\n  ".join(problems[:10])
+            + f"\nUse an interpreter with an unmodified torch=={base.BASE_VERSION} (--python PY).")
+    return files

@@ -7,13 +7,14 @@ writes, through one all-or-nothing :meth:`Target.commit`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import base, marker as markers
 from .errors import PatchApplyError, TorchPatchesError
 from .patching import Files
 from .series import Series
-from .state import APPLIED, CONFLICTS, NOT_APPLIED, analyze, apply_series, base_blob_mismatches
+from .state import (APPLIED, CONFLICTS, NOT_APPLIED, RETIRED, analyze, apply_series, base_blob_mismatches,
+                    find_retired, without)
 from .target import Target
 
 REFUSED = 3  # exit code for "this is not the pinned base torch"
@@ -33,6 +34,17 @@ class Plan:
 
 def _patch_word(n: int) -> str:
     return f"{n} patch" + ("" if n == 1 else "es")
+
+
+def _retired(target: Target, series: Series, base_files: Files) -> Dict[str, str]:
+    """Patches the unmodified base already contains (see [Note: retired patches])."""
+    if not series.patches or not target.is_unmodified(base_files):
+        return {}
+    return find_retired(series, base_files)
+
+
+def _retired_lines(retired: Dict[str, str]) -> str:
+    return "".join(f"\nskipped {name}: already in base: retired ({why})" for name, why in retired.items())
 
 
 def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
@@ -72,8 +84,15 @@ def plan_apply(target: Target, series: Series) -> Plan:
         pristine = {**current, **markers.pristine_files(old)}
         mtimes = {**target.mtimes(p for p in paths if p not in old["files"]), **markers.pristine_mtimes(old)}
         replacing = f" (replacing {markers.describe(old)})"
+        retired = _retired(target, series, pristine)
+        live = without(series, retired)
     else:
-        state = analyze(series, current)
+        retired = _retired(target, series, current)
+        live = without(series, retired)
+        if retired and not live.patches:
+            return Plan(already=True, message="nothing to apply: every patch is already in base: retired"
+                                              + _retired_lines(retired))
+        state = analyze(live, current)
         if state.kind == "partial":
             raise TorchPatchesError(
                 f"{state.describe()}. Run `torch-patches revert` to restore the pristine files, "
@@ -84,20 +103,23 @@ def plan_apply(target: Target, series: Series) -> Plan:
                 + f"\n{NOTHING_CHANGED}")
         pristine = state.pristine or {}
         mtimes = target.mtimes(paths)
-    problems = target.verify_pristine(pristine) + base_blob_mismatches(series, pristine)
+    problems = target.verify_pristine(pristine) + base_blob_mismatches(live, pristine)
     if problems:
         raise TorchPatchesError(
             "the files to patch are not the pristine base files:\n  " + "\n  ".join(problems)
             + f"\nReinstall torch=={base.BASE_VERSION} (or use a clean v{base.BASE_VERSION} tree). "
             + NOTHING_CHANGED)
     try:
-        new = apply_series(series, pristine)
+        new = apply_series(live, pristine)
     except PatchApplyError as exc:
         raise TorchPatchesError(f"{exc}. {NOTHING_CHANGED}")
     marker = markers.build(series, pristine, new, kind=target.kind, mtimes=mtimes)
-    already = new == current and old is None and bool(series.patches)
-    what = f"series revision {series.revision}: {_patch_word(len(series.patches))}"
+    if retired:
+        marker["retired"] = retired
+    already = new == current and old is None and bool(live.patches)
+    what = f"series revision {series.revision}: {_patch_word(len(live.patches))}"
     message = (f"already applied ({what}); recorded it" if already else f"applied {what}{replacing}")
+    message += _retired_lines(retired)
     return Plan(already=False, message=message, pristine=pristine, new=new, marker=marker)
 
 
@@ -124,9 +146,11 @@ def revert(target: Target, series: Series) -> str:
         what = markers.describe(old)
     else:
         current = target.read_all(series.paths)
-        state = analyze(series, current)
+        retired = _retired(target, series, current)
+        state = analyze(without(series, retired), current)
         if state.kind == NOT_APPLIED:
-            return "nothing to revert: the series is not applied"
+            return "nothing to revert: the series is not applied" + (
+                f" ({len(retired)} already in base: retired)" if retired else "")
         if state.kind == CONFLICTS:
             raise TorchPatchesError(
                 "cannot revert, the files match neither the base nor the series:\n  "
@@ -142,19 +166,35 @@ def revert(target: Target, series: Series) -> str:
     return f"reverted {what}"
 
 
-def patch_states(target: Target, series: Series):
-    """``{patch name: applied | not applied | conflicts}`` and a summary line."""
+def patch_states(target: Target, series: Series, reasons: Optional[Dict[str, str]] = None):
+    """``{patch name: applied | not applied | conflicts | retired}`` and a summary line.
+
+    ``reasons``, when given, receives why each retired patch is retired.
+    """
+    reasons = {} if reasons is None else reasons
     old = target.load_marker()
     current = target.read_all(series.paths)
     if old is not None and markers.same_series(old, series) \
             and not markers.changed_since(old, target.read_all(old["files"])):
-        return {p.name: APPLIED for p in series.patches}, "applied"
-    state = analyze(series, current)
+        reasons.update(old.get("retired") or {})
+        per = {p.name: (RETIRED if p.name in reasons else APPLIED) for p in series.patches}
+        return per, "applied" + _retired_summary(reasons, series)
+    reasons.update(_retired(target, series, current))
+    state = analyze(without(series, reasons), current)
+    per = {p.name: (RETIRED if p.name in reasons else state.per_patch.get(p.name, "?")) for p in series.patches}
     if old is not None and not markers.same_series(old, series):
-        return state.per_patch, f"{markers.describe(old)} is applied; `apply` replaces it with this series"
+        return per, f"{markers.describe(old)} is applied; `apply` replaces it with this series"
     if not series.patches:
         return {}, "empty series" + (" (recorded as applied)" if old else "")
-    return state.per_patch, state.describe()
+    if reasons and len(reasons) == len(series.patches):
+        return per, "every patch is already in base: retired"
+    return per, state.describe() + _retired_summary(reasons, series)
+
+
+def _retired_summary(reasons: Dict[str, str], series: Series) -> str:
+    if not reasons:
+        return ""
+    return f" ({_patch_word(len(reasons))} already in base: retired)"
 
 
 def status(target: Target, series: Series) -> List[str]:
@@ -175,10 +215,14 @@ def status(target: Target, series: Series) -> List[str]:
                  f"from {series.directory}")
     if problem:
         return lines
-    per, summary = patch_states(target, series)
+    reasons: Dict[str, str] = {}
+    per, summary = patch_states(target, series, reasons)
     lines.append(f"state:       {summary}")
     for patch in series.patches:
         lines.append(f"  {per.get(patch.name, '?'):<12} {patch.name}  {patch.subject}")
+        if patch.name in reasons:
+            lines.append(f"  {'':<12} already in base: retired ({reasons[patch.name]}); "
+                         "drop it from the series")
         missing = patch.missing_dep3()
         if missing:
             lines.append(f"  {'':<12} warning: missing DEP-3 field(s): {', '.join(missing)}")

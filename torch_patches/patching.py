@@ -230,6 +230,34 @@ def apply_file_patch(content: Optional[bytes], fp: FilePatch, where: str = "patc
     return result
 
 
+def locate_hunks(content: Optional[bytes], fp: FilePatch) -> List[Optional[int]]:
+    """Where each hunk of ``fp`` would apply to ``content``, as a line offset.
+
+    The same search as :func:`apply_file_patch` (in order, exact, nearest
+    match), but it does not stop at the first failure: each entry is the
+    offset from the hunk's recorded position (``0``: exactly there) or
+    ``None`` when the hunk does not match (a conflict). Used to report *where*
+    a patch conflicts or moved; it never changes what applies.
+    """
+    if fp.creates:
+        return [0 if content is None else None for _ in fp.hunks] or [0 if content is None else None]
+    if content is None:
+        return [None for _ in fp.hunks] or [None]
+    lines = content.splitlines(keepends=True)
+    out: List[Optional[int]] = []
+    cursor, shift = 0, 0
+    for hunk in fp.hunks:
+        recorded = hunk.old_start - 1 if hunk.old else hunk.old_start
+        pos = _find(lines, hunk.old, recorded + shift, cursor)
+        if pos < 0:
+            out.append(None)
+            continue
+        shift = pos - recorded
+        out.append(shift)
+        cursor = pos + len(hunk.old)
+    return out
+
+
 def apply_patches(files: Files, file_patches: List[FilePatch], where: str = "patch",
                   reverse: bool = False) -> Files:
     """Apply ``file_patches`` to a copy of ``files``; all or nothing (raises)."""

@@ -56,6 +56,14 @@ class SourceTree(Target):
                     f"run `git -C {self.root} checkout v{base.BASE_VERSION}`")
         return None
 
+    def is_unmodified(self, files: Files) -> bool:
+        """In a git checkout: the files are committed at ``HEAD`` and unedited."""
+        if not self.head or self.head == "?" or self.read(markers.SOURCE_MARKER_NAME) is not None:
+            return False
+        proc = subprocess.run(["git", "-C", str(self.root), "status", "--porcelain", "--", *files],
+                              capture_output=True, text=True, timeout=120)
+        return proc.returncode == 0 and not proc.stdout.strip()
+
     def load_marker(self) -> Optional[dict]:
         data = self.read(markers.SOURCE_MARKER_NAME)
         return None if data is None else markers.loads(data, str(self.root / markers.SOURCE_MARKER_NAME))

@@ -5,6 +5,7 @@ Pure functions over ``{path: bytes | None}``; nothing here touches the disk.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -13,6 +14,8 @@ from .patching import Files, apply_patches, git_blob_id
 from .series import Patch, Series
 
 APPLIED, NOT_APPLIED, CONFLICTS = "applied", "not applied", "conflicts"
+#: A patch the base already contains (upstream merged it): skipped, never applied.
+RETIRED = "retired"
 
 
 @dataclass
@@ -121,3 +124,94 @@ def base_blob_mismatches(series: Series, pristine: Files) -> List[str]:
         if not blob.startswith(fp.old_blob):
             problems.append(f"{fp.path} is blob {blob[:12]}, the series expects {fp.old_blob[:12]}")
     return problems
+
+
+# -- retirement ---------------------------------------------------------------
+# [Note: retired patches]
+# When upstream merges a patch, a later base already contains it, and the
+# series shrinks by dropping it. Until someone does, ``status``/``apply`` must
+# skip it instead of failing. Only the *unmodified* base may be judged this way
+# (the caller proves that: RECORD hashes, or a clean git checkout); otherwise a
+# tree where someone applied the patch by hand would look "retired" too.
+# A patch is retired when, in series order on the base (earlier live patches
+# applied in memory), it does not apply forward and either
+#   * it applies in reverse, and it adds at least one non-blank line (a patch
+#     that only deletes lines reverse-applies wherever its context exists, so
+#     that proves nothing), or
+#   * every public ``def``/``class`` it adds is already defined in the same
+#     file (upstream merged a reviewed variant of it).
+
+_DEF_RE = re.compile(rb"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+([A-Za-z]\w*)")
+
+
+def added_public_defs(patch: Patch) -> Dict[str, List[str]]:
+    """``{path: [name, ...]}`` of the public functions/classes ``patch`` adds."""
+    out: Dict[str, List[str]] = {}
+    for fp in patch.files:
+        for hunk in fp.hunks:
+            removed = {m.group(1) for m in map(_DEF_RE.match, hunk.old) if m}
+            for line in hunk.new:
+                m = _DEF_RE.match(line)
+                if m and m.group(1) not in removed:
+                    name = m.group(1).decode()
+                    if name not in out.setdefault(fp.path, []):
+                        out[fp.path].append(name)
+    return {p: names for p, names in out.items() if names}
+
+
+def _defines(content: Optional[bytes], name: str) -> bool:
+    if content is None:
+        return False
+    pattern = re.compile(rb"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+" + re.escape(name.encode()) + rb"\b",
+                         re.MULTILINE)
+    return pattern.search(content) is not None
+
+
+def retired_reason(patch: Patch, files: Files) -> Optional[str]:
+    """Why ``files`` (an unmodified base) already contains ``patch``, or ``None``."""
+    try:
+        _apply(files, [patch])
+        return None  # it applies: live
+    except PatchApplyError:
+        pass
+    adds = any(line.strip() for fp in patch.files for h in fp.hunks for line in h.new
+               if line not in h.old)
+    if adds:
+        try:
+            _apply(files, [patch], reverse=True)
+            return "its changes are already in the base (it reverse-applies cleanly)"
+        except PatchApplyError:
+            pass
+    defs = added_public_defs(patch)
+    if defs and all(_defines(files.get(path), name) for path, names in defs.items() for name in names):
+        names = ", ".join(n for names in defs.values() for n in names)
+        return f"its public API is already in the base ({names})"
+    return None
+
+
+def find_retired(series: Series, base_files: Files) -> Dict[str, str]:
+    """``{patch name: reason}`` for the patches ``base_files`` already contains.
+
+    ``base_files`` must be the unmodified base (see [Note: retired patches]).
+    Stops at the first patch that neither applies nor is retired: from there
+    on, :func:`analyze` reports the conflict.
+    """
+    retired: Dict[str, str] = {}
+    files = dict(base_files)
+    for patch in series.patches:
+        try:
+            files = _apply(files, [patch])
+            continue
+        except PatchApplyError:
+            pass
+        reason = retired_reason(patch, files)
+        if reason is None:
+            break
+        retired[patch.name] = reason
+    return retired
+
+
+def without(series: Series, names) -> Series:
+    """``series`` minus the patches named in ``names`` (same directory and revision)."""
+    return Series(directory=series.directory, revision=series.revision,
+                  patches=[p for p in series.patches if p.name not in names])

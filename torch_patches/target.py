@@ -74,6 +74,15 @@ class Target:
         """Problems proving ``pristine`` is the base's own content (empty: fine)."""
         return []
 
+    def is_unmodified(self, files: Files) -> bool:
+        """Whether ``files`` are provably the target's own, unedited base content.
+
+        Only then may a patch that the files already contain be called retired
+        (see [Note: retired patches] in :mod:`torch_patches.state`). Default:
+        cannot tell.
+        """
+        return False
+
     def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
         """Write ``new`` (apply, with ``marker``) or ``pristine`` (revert, ``new is None``)."""
         raise NotImplementedError

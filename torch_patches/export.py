@@ -1,0 +1,514 @@
+"""``export``: the series as pytorch/pytorch pull requests, one per upstream tracker.
+
+Every patch names its upstream issue in its DEP-3 ``Bug:`` field; patches with
+the same issue form one PR. For each tracker ``N`` the export writes ``DIR/N/``:
+
+* ``NNNN-*.patch``: a ``git format-patch`` series with the tracker's source
+  patch(es) and one commit adding its tests at their upstream paths (see
+  :data:`TRACKERS`); the shared test helper becomes
+  ``torch/testing/_internal/common_fsdp_lifecycle.py`` and the tests import it
+  from there instead of through ``sys.path``;
+* ``PR.md``: the PR description in upstream's form: title, ``Fixes #N``,
+  ``## Summary`` (commit messages, base, stack order, new public API with its
+  docstrings) and ``## Test Plan`` (the commands, and their output only when
+  it was recorded: see :func:`load_results`).
+
+The PRs form a stack in series order (ghstack-style): ``DIR/series`` lists
+every patch in ``git am`` order, and each PR applies on top of the ones before
+it (``#203176`` and ``#203178`` build on ``#203177``).
+
+The stack is built with real git in a scratch repository: the pristine base
+files (the same ones ``tools/devtree.py init`` uses), ``git am`` of the series,
+one test commit per tracker, then ``git format-patch`` per tracker.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import base
+from .errors import TorchPatchesError
+from .patching import Files
+from .series import Patch, Series
+
+ISSUE_URL = "https://github.com/pytorch/pytorch/issues/"
+_BUG_RE = re.compile(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)")
+
+
+@dataclass(frozen=True)
+class Tracker:
+    """An upstream issue: the PR title prefix and the tests that go with it."""
+
+    number: int
+    prefix: str  # PR title prefix, e.g. "[FSDP2]"
+    what: str  # what the PR adds, for the test commit's subject
+    tests: Tuple[str, ...] = ()  # repo paths; upstream uses the same paths
+
+
+#: The one table mapping upstream trackers to their tests (repo path == upstream path).
+TRACKERS: Dict[int, Tracker] = {t.number: t for t in (
+    Tracker(203177, "[FSDP2]", "value-based FSDPPolicy",
+            ("test/distributed/_composable/fsdp/test_fully_shard_policy.py",)),
+    Tracker(203176, "[FSDP2]", "partial_backward() and finish_forward()",
+            ("test/distributed/_composable/fsdp/test_fully_shard_lifecycle.py",)),
+    Tracker(203178, "[pipelining]", "FSDP stages: no-sync from step start, reset after metadata inference",
+            ("test/distributed/pipelining/test_pipelining_fsdp_lifecycle.py",)),
+)}
+
+#: The tests' shared helper: here, and where it lives upstream.
+HELPER = "test/distributed/fsdp_lifecycle_testing.py"
+HELPER_MODULE = "fsdp_lifecycle_testing"
+HELPER_UPSTREAM = "torch/testing/_internal/common_fsdp_lifecycle.py"
+HELPER_UPSTREAM_MODULE = "torch.testing._internal.common_fsdp_lifecycle"
+
+_FORMAT_PATCH = ("format-patch", "-q", "--no-signature", "--zero-commit", "--full-index", "--no-renames",
+                 "--numbered")
+_EXPORT_HEADER = "# torch-patches export:"
+
+
+@dataclass
+class Group:
+    """The patches of one tracker, and what the export found for it."""
+
+    tracker: Tracker
+    patches: List[Patch] = field(default_factory=list)
+    tests: Dict[str, bytes] = field(default_factory=dict)  # upstream path -> content
+    missing_tests: List[str] = field(default_factory=list)
+    api: List["ApiEntry"] = field(default_factory=list)
+    files: List[str] = field(default_factory=list)  # written patch files (names)
+
+    @property
+    def number(self) -> int:
+        return self.tracker.number
+
+    @property
+    def title(self) -> str:
+        subject = self.patches[0].subject
+        return subject if subject.startswith("[") else f"{self.tracker.prefix} {subject}"
+
+
+@dataclass
+class ApiEntry:
+    name: str  # e.g. torch.distributed.fsdp.FSDPModule.partial_backward
+    signature: str
+    docstring: Optional[str]
+
+
+def base_prefixes(series: Series) -> Tuple[str, ...]:
+    """The base trees to export from: fsdp/pipelining plus any other directory the series touches."""
+    from .installed import BASE_PREFIXES
+    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths if not p.startswith(BASE_PREFIXES)}
+    return tuple(BASE_PREFIXES) + tuple(sorted(extra))
+
+
+def tracker_number(patch: Patch) -> int:
+    """The pytorch/pytorch issue number of ``patch``'s DEP-3 ``Bug:`` field."""
+    m = _BUG_RE.search(patch.dep3.get("Bug", ""))
+    if not m:
+        raise TorchPatchesError(
+            f"{patch.name} has no pytorch/pytorch issue in its DEP-3 Bug: field "
+            f"({patch.dep3.get('Bug', 'missing')!r}); export groups patches by it")
+    return int(m.group(1))
+
+
+def group_series(series: Series) -> List[Group]:
+    """Patches grouped by tracker, in order of first appearance in the series."""
+    groups: Dict[int, Group] = {}
+    for patch in series.patches:
+        n = tracker_number(patch)
+        tracker = TRACKERS.get(n) or Tracker(n, "", f"#{n}")
+        groups.setdefault(n, Group(tracker)).patches.append(patch)
+    return list(groups.values())
+
+
+# -- tests at their upstream paths --------------------------------------------
+def upstream_test(text: str, where: str = "test") -> str:
+    """``text`` with the ``sys.path`` insert + ``from fsdp_lifecycle_testing import``
+    replaced by an import of :data:`HELPER_UPSTREAM_MODULE`, placed in sorted
+    position among the ``torch`` imports (upstream sorts with usort)."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    path_stmt = imp = None
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == HELPER_MODULE:
+            imp = node
+        elif (imp is None and isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+              and ast.unparse(node.value.func) == "sys.path.insert"):
+            path_stmt = node
+    if imp is None:
+        return text
+    new_import = "".join(lines[imp.lineno - 1:imp.end_lineno])
+    new_import = new_import.replace(f"from {HELPER_MODULE} import", f"from {HELPER_UPSTREAM_MODULE} import", 1)
+    new_import = re.sub(r"[ \t]*# noqa: E402", "", new_import, count=1)
+    start = (path_stmt.lineno if path_stmt is not None else imp.lineno) - 1
+    while start > 0 and not lines[start - 1].strip():
+        start -= 1
+    del lines[start:imp.end_lineno]
+    # Insert before the first top-level torch import that sorts after it.
+    body = ast.parse("".join(lines)).body
+    torch_imports = [n for n in body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("torch")]
+    after = [n for n in torch_imports if (n.module or "").lower() > HELPER_UPSTREAM_MODULE.lower()]
+    if after:
+        at = after[0].lineno - 1
+    elif torch_imports:
+        at = torch_imports[-1].end_lineno or torch_imports[-1].lineno
+    else:
+        raise TorchPatchesError(f"{where}: no torch import to place the helper import next to")
+    lines[at:at] = [new_import]
+    out = "".join(lines)
+    # ``os``/``sys`` may only have served the sys.path insert.
+    for mod in ("os", "sys"):
+        used = any(isinstance(n, ast.Name) and n.id == mod for n in ast.walk(ast.parse(out)))
+        if not used:
+            out = re.sub(rf"^import {mod}\n", "", out, count=1, flags=re.MULTILINE)
+    ast.parse(out)
+    return out
+
+
+def collect_tests(groups: List[Group], repo: Path) -> List[str]:
+    """Fill ``group.tests``; the helper goes with the first group whose tests use it.
+
+    Returns warnings (missing test files: the group is exported without them).
+    """
+    warnings, helper_done = [], False
+    for group in groups:
+        if group.number not in TRACKERS:
+            warnings.append(f"#{group.number}: not in the TRACKERS table of torch_patches/export.py; "
+                            "exported without tests")
+            continue
+        for rel in group.tracker.tests:
+            path = repo / rel
+            if not path.is_file():
+                group.missing_tests.append(rel)
+                warnings.append(f"#{group.number}: test file {rel} does not exist; "
+                                "its PR is exported WITHOUT tests (not ready for review)")
+                continue
+            text = path.read_text(encoding="utf-8")
+            uses_helper = re.search(rf"^from {HELPER_MODULE} import", text, re.MULTILINE) is not None
+            group.tests[rel] = upstream_test(text, rel).encode("utf-8")
+            if uses_helper and not helper_done:
+                helper = repo / HELPER
+                if not helper.is_file():
+                    raise TorchPatchesError(f"{rel} imports {HELPER_MODULE} but {HELPER} does not exist")
+                group.tests[HELPER_UPSTREAM] = helper.read_bytes()
+                helper_done = True
+    return warnings
+
+
+# -- public API -----------------------------------------------------------------
+def _exports(files: Files) -> Dict[str, str]:
+    """``{name: public module}`` from the ``__all__`` of every ``__init__.py`` in ``files``."""
+    out: Dict[str, str] = {}
+    for path in sorted(files, key=len):
+        data = files[path]
+        if not path.endswith("/__init__.py") or data is None:
+            continue
+        module = path[:-len("/__init__.py")].replace("/", ".")
+        for node in ast.parse(data).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                try:
+                    names = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                for name in names:
+                    out.setdefault(name, module)
+    return out
+
+
+def _definitions(data: Optional[bytes]) -> Dict[str, ast.AST]:
+    """``{"Name": node, "Class.method": node}`` of top-level defs and class methods."""
+    out: Dict[str, ast.AST] = {}
+    if data is None:
+        return out
+    for node in ast.parse(data).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{sub.name}"] = sub
+    return out
+
+
+def _signature(node: ast.AST) -> str:
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(ast.unparse(b) for b in node.bases)
+        deco = "".join(f"@{ast.unparse(d)}\n" for d in node.decorator_list)
+        return f"{deco}class {node.name}({bases})" if bases else f"{deco}class {node.name}"
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    deco = "".join(f"@{ast.unparse(d)}\n" for d in node.decorator_list)
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
+    return f"{deco}def {node.name}({ast.unparse(node.args)}){returns}"
+
+
+def public_api(before: Files, after: Files) -> List[ApiEntry]:
+    """Public names that ``after`` adds to the files in ``before`` (the changed
+    ones; ``after`` may hold more, e.g. every ``__init__.py`` for ``__all__``):
+    exported top-level functions/classes and public methods of exported
+    classes, with their docstrings."""
+    exports = _exports(after)
+    entries = []
+    for path in sorted(before):
+        if not path.endswith(".py") or path.startswith(("test/", "torch/testing/")):
+            continue
+        old, new = _definitions(before.get(path)), _definitions(after.get(path))
+        for qual, node in new.items():
+            if qual in old:
+                continue
+            owner, _, method = qual.partition(".")
+            if owner not in exports or (method and method.startswith("_")):
+                continue
+            entries.append(ApiEntry(f"{exports[owner]}.{qual}", _signature(node),
+                                    ast.get_docstring(node)))  # type: ignore[arg-type]
+    return entries
+
+
+# -- the git stack ----------------------------------------------------------------
+def _git(tree: Path, *args: str, env: Optional[dict] = None) -> str:
+    proc = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})))
+    if proc.returncode != 0:
+        raise TorchPatchesError(f"git {' '.join(args[:2])} failed:\n{(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+def _identity(name: str, email: str, date: str) -> dict:
+    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": date,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": date}
+
+
+def _mail_header(patch: Patch, key: str) -> str:
+    text = patch.data.decode("utf-8", "replace")
+    m = re.search(rf"^{key}: (.*)$", text.split("\n\n", 1)[0], re.MULTILINE)
+    return m.group(1).strip() if m else ""
+
+
+def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
+    out: Files = {}
+    for path in paths:
+        proc = subprocess.run(["git", "-C", str(tree), "show", f"{rev}:{path}"], capture_output=True)
+        out[path] = proc.stdout if proc.returncode == 0 else None
+    return out
+
+
+def build_stack(tree: Path, base_files: Files, groups: List[Group]) -> None:
+    """Create the scratch repository ``tree``: ``base``, then per tracker its
+    patches (``git am``) and a test commit, tagged ``pr-N``."""
+    tree.mkdir(parents=True)
+    for rel, data in base_files.items():
+        if data is not None:
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_bytes(data)
+    _git(tree, "init", "-q")
+    _git(tree, "config", "core.autocrlf", "false")
+    _git(tree, "add", "-A")
+    fixed = _identity("PyTorch", "packages@pytorch.org", "2000-01-01T00:00:00+0000")
+    _git(tree, "commit", "-q", "-m",
+         f"torch {base.BASE_VERSION} base ({base.BASE_GIT_VERSION[:12]})\n\n"
+         f"Pristine sources of the torch {base.BASE_VERSION} wheel. Upstream commit {base.BASE_GIT_VERSION}.",
+         env=fixed)
+    _git(tree, "tag", "base")
+    for group in groups:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for i, patch in enumerate(group.patches):
+                p = Path(tmp) / f"{i:04d}.patch"
+                p.write_bytes(patch.data)
+                paths.append(str(p))
+            am_env = _identity("torch-patches export", "export@localhost", "2000-01-01T00:00:00+0000")
+            try:
+                _git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date", *paths, env=am_env)
+            except TorchPatchesError as exc:
+                subprocess.run(["git", "-C", str(tree), "am", "--abort"], capture_output=True)
+                raise TorchPatchesError(
+                    f"#{group.number}'s patches ({', '.join(p.name for p in group.patches)}) do not apply on "
+                    f"the trackers before it; reorder the series so each tracker's patches are contiguous.\n{exc}")
+        if group.tests:
+            for rel, data in group.tests.items():
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tree / rel).write_bytes(data)
+            _git(tree, "add", "--", *group.tests)
+            last = group.patches[-1]
+            author = _mail_header(last, "From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
+            name, _, email = author.rpartition(" <")
+            env = _identity(name or author, email.rstrip(">"), _mail_header(last, "Date") or "2000-01-01")
+            helper = (f"\n\nThe shared gloo/CPU test case and collective counter go to\n{HELPER_UPSTREAM}."
+                      if HELPER_UPSTREAM in group.tests else "")
+            _git(tree, "commit", "-q", "-m",
+                 f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
+                 f"Multi-process tests (gloo on CPU) for #{group.number}.{helper}\n\n"
+                 f"Bug: {ISSUE_URL}{group.number}", env=env)
+        _git(tree, "tag", f"pr-{group.number}")
+
+
+# -- PR description ----------------------------------------------------------------
+def _body(patch: Patch) -> str:
+    """The commit message body of ``patch`` without the DEP-3 fields."""
+    text = patch.data.decode("utf-8", "replace")
+    msg = text.split("\n\n", 1)[1] if "\n\n" in text else ""
+    msg = re.split(r"^---$", msg, maxsplit=1, flags=re.MULTILINE)[0]
+    kept = [line for line in msg.splitlines()
+            if not re.match(r"^(Bug|Forwarded|Last-Update|Origin|Author|Applied-Upstream)(-\w+)?:", line)]
+    return "\n".join(kept).strip()
+
+
+def test_command(rel: str) -> str:
+    return f"python {rel}"
+
+
+def load_results(path: Optional[os.PathLike]) -> Dict[str, dict]:
+    """Recorded test results: ``{test path: {"command", "output", "returncode", "recorded", "where"}}``."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TorchPatchesError(f"cannot read recorded results {path}: {exc}")
+    if not isinstance(data, dict):
+        raise TorchPatchesError(f"{path}: expected a JSON object keyed by test path")
+    return data
+
+
+def pr_description(group: Group, groups: List[Group], series: Series, results: Dict[str, dict]) -> str:
+    index = groups.index(group)
+    before = groups[:index]
+    lines = [f"# {group.title}", "", f"Fixes #{group.number}", ""]
+    if before:
+        lines += [f"Stacked on {', '.join(f'#{g.number}' for g in before)}: apply "
+                  + ", then ".join(f"`../{g.number}/*.patch`" for g in before)
+                  + " first (`../series` lists the whole stack in order; "
+                  "`git am --keep-non-patch` keeps the subject prefix).", ""]
+    lines += ["## Summary", ""]
+    for patch in group.patches:
+        if len(group.patches) > 1:
+            lines += [f"### {patch.subject}", ""]
+        lines += [_body(patch), ""]
+    lines += [f"Base: PyTorch {base.BASE_VERSION} (git `{base.BASE_GIT_VERSION[:12]}`, "
+              f"{base.BASE_GIT_VERSION}). Exported from the torch-fsdp-lifecycle patch series "
+              f"(revision {series.revision}, `{base.patched_version(series.revision)}`): "
+              + ", ".join(f"`{p.name}`" for p in group.patches) + ".", ""]
+    lines += ["### Public API added", ""]
+    if not group.api:
+        lines += ["None: behaviour changes only.", ""]
+    for entry in group.api:
+        lines += [f"#### `{entry.name}`", "", "```python", entry.signature, "```", ""]
+        lines += [entry.docstring or "**(no docstring)**", ""]
+    lines += ["## Test Plan", ""]
+    if group.missing_tests or not group.tests:
+        missing = group.missing_tests or ["(no tests mapped to this tracker)"]
+        lines += ["**Tests missing:** " + ", ".join(f"`{m}`" for m in missing)
+                  + " does not exist yet; this PR is not ready for review.", ""]
+    for rel in (r for r in group.tests if r.startswith("test/")):
+        lines += ["```bash", test_command(rel), "```", ""]
+        rec = results.get(rel)
+        if rec is None:
+            lines += ["Not run by the export; no recorded result.", ""]
+            continue
+        status = "passed" if rec.get("returncode") == 0 else f"FAILED (exit {rec.get('returncode')})"
+        lines += [f"Recorded {rec.get('recorded', '?')}: {status}; ran `{rec.get('command', '?')}` "
+                  f"{rec.get('where', '')}".rstrip() + ". Output (tail):", "", "```",
+                  str(rec.get("output", "")).rstrip(), "```", ""]
+    lines += ["Lint: `ruff check` and `mypy` report no new warnings on the touched files compared with "
+              f"{base.BASE_VERSION} when `test/tools/test_lint.py` of torch-fsdp-lifecycle passes.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- the command --------------------------------------------------------------------
+@dataclass
+class ExportResult:
+    out: Path
+    groups: List[Group]
+    warnings: List[str]
+    order: List[str]  # "N/NNNN-*.patch" in git am order
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        series_file = out / "series"
+        first = series_file.read_text().splitlines()[0] if series_file.is_file() else ""
+        if not first.startswith(_EXPORT_HEADER):
+            raise TorchPatchesError(f"{out} exists, is not empty and is not an earlier export; "
+                                    "choose another -o DIR")
+        for child in out.iterdir():
+            if child.is_dir() and child.name.isdigit():
+                shutil.rmtree(child)
+        series_file.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLike,
+           results: Optional[Dict[str, dict]] = None,
+           progress: Callable[[str], None] = lambda _msg: None) -> ExportResult:
+    """Write the per-tracker PR directories and ``series`` under ``out``."""
+    out, repo = Path(out), Path(repo)
+    if shutil.which("git") is None:
+        raise TorchPatchesError("export needs git; install it")
+    if not series.patches:
+        raise TorchPatchesError("the series is empty: nothing to export")
+    groups = group_series(series)
+    warnings = collect_tests(groups, repo)
+    for number in TRACKERS:
+        if number not in {g.number for g in groups}:
+            warnings.append(f"#{number}: no patch in the series names it (not written yet, or retired); skipped")
+    _prepare_out(out)
+    order: List[str] = []
+    with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
+        tree = Path(tmp) / "pytorch"
+        build_stack(tree, base_files, groups)
+        prev = "base"
+        for group in groups:
+            tag = f"pr-{group.number}"
+            changed = [p for p in _git(tree, "diff", "--name-only", prev, tag).splitlines() if p]
+            all_py = [p for p in _git(tree, "ls-files").splitlines() if p.endswith(".py")]
+            group.api = public_api(_read_tree(tree, prev, changed), {**_read_tree(tree, tag, changed),
+                                   **_read_tree(tree, tag, [p for p in all_py if p.endswith("__init__.py")])})
+            for entry in group.api:
+                if not entry.docstring:
+                    warnings.append(f"#{group.number}: {entry.name} has no docstring")
+            dest = out / str(group.number)
+            _git(tree, *_FORMAT_PATCH, "-o", str(dest), f"{prev}..{tag}")
+            group.files = sorted(p.name for p in dest.glob("*.patch"))
+            order += [f"{group.number}/{name}" for name in group.files]
+            (dest / "PR.md").write_text(pr_description(group, groups, series, results or {}), encoding="utf-8")
+            progress(f"#{group.number}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
+            prev = tag
+    (out / "series").write_text(
+        f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]}),\n"
+        f"# series revision {series.revision}. Apply in this order with `git am --keep-non-patch`\n"
+        f"# (keeps the [FSDP2]/[pipelining] subject prefix); one directory per PR.\n"
+        + "".join(line + "\n" for line in order), encoding="utf-8")
+    return ExportResult(out, groups, warnings, order)
+
+
+def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path,
+              progress: Callable[[str], None] = lambda _msg: None) -> Dict[str, dict]:
+    """Run each exported tracker's tests from this checkout with ``python`` and record them.
+
+    The recorded command is the one run (the checkout's copy of the test, which
+    differs from the exported one only in how it imports the helper).
+    """
+    import datetime
+    results = load_results(results_file) if results_file.is_file() else {}
+    for group in groups:
+        for rel in group.tracker.tests:
+            if not (repo / rel).is_file():
+                continue
+            progress(f"running {python} {rel} ...")
+            proc = subprocess.run([python, rel], cwd=repo, capture_output=True, text=True)
+            tail = "\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-15:])
+            results[rel] = {"command": f"{python} {rel}", "returncode": proc.returncode, "output": tail,
+                            "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base.BASE_VERSION} "
+                                     "with the series applied"}
+            progress(f"  exit {proc.returncode}")
+    results_file.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return results
