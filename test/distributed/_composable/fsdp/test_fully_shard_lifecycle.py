@@ -107,9 +107,10 @@ def _make_models(
         }
     elif training == "lm_head_only":
         trainable = {id(ref.lm_head.weight)}
-    else:
-        assert training == "full", training
+    elif training == "full":
         trainable = {id(p) for p in ref.parameters()}
+    else:
+        raise ValueError(f"Unknown training mode: {training}")
     for param in ref.parameters():
         param.requires_grad_(id(param) in trainable)
     model = copy.deepcopy(ref)
@@ -328,7 +329,8 @@ def _microbatch_policy(model: FSDPModule, deferral: str, mb: int):
         return model.fsdp_policy(
             requires_all_reduce=is_last, recurse=True, is_last_backward=is_last
         )
-    assert deferral == "off", deferral
+    if deferral != "off":
+        raise ValueError(f"Unknown deferral mode: {deferral}")
     return contextlib.nullcontext()
 
 
