@@ -1,0 +1,292 @@
+"""
+Shared pieces of the benchmarks in ``tools/bench``: a tiny decoder-only LM
+whose forward stops before ``lm_head``, the FSDP/HSDP layouts, the four step
+methods compared, a collective counter and a fork-based gloo launcher.
+
+The four methods (one optimizer step = ``M`` microbatches; gradients are
+reduced on the last one only, the caller's policy for the others is "no
+sync"):
+
+``a``  the public API of this series: ``fsdp_policy(...)`` for deferral,
+       ``lm_head.partial_backward()`` + ``lm_head.finish_forward()`` for the
+       chunks (needs the patched torch);
+``b``  torchtitan's own ``ChunkedLossWrapper`` (``torchtitan.components.loss``),
+       with the caller's deferral through the existing setters; the wrapper
+       forces ``lm_head`` gradient sync on its last chunk and sets sync (and,
+       under HSDP, the replica all-reduce) back on when it exits;
+``c``  unpatched torch with a chunked wrapper that keeps the head unsharded
+       across chunks and then restores the caller's policy through the
+       existing setters (it must be told the caller's policy: 2.15.0 has no
+       getters);
+``d``  no chunking: full logits, one backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+HEADS = ("separate", "grouped", "tied")
+METHOD_NAMES = {
+    "a": "series API (partial_backward + fsdp_policy)",
+    "b": "torchtitan ChunkedLossWrapper",
+    "c": "2.15.0 + restoring wrapper",
+    "d": "full logits (no chunking)",
+}
+
+
+def has_series_api() -> bool:
+    return hasattr(FSDPModule, "partial_backward") and hasattr(FSDPModule, "fsdp_policy")
+
+
+def pipelining_patch_in_series(repo: Path) -> bool:
+    series = repo / "torch_patches" / "patches" / "series"
+    if not series.exists():
+        return False
+    return any("pipelin" in line.lower() for line in series.read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, 2 * dim)
+        self.w2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.gelu(self.w1(x)))
+
+
+class TinyLM(nn.Module):
+    """A decoder whose forward returns the final hidden state; the loss runs ``lm_head``."""
+
+    def __init__(self, *, vocab_size: int, dim: int, num_layers: int, tied: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList([Block(dim) for _ in range(num_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        if tied:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h)
+
+
+def shard(model: TinyLM, *, head: str, mesh) -> int:
+    """Applies FSDP (1-D mesh) or HSDP (2-D mesh); returns the number of FSDP groups with params."""
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    if head == "separate":
+        fully_shard(model.lm_head, mesh=mesh)
+    elif head == "grouped":
+        fully_shard([model.norm, model.lm_head], mesh=mesh)
+    elif head == "tied":
+        # A tied weight must live in one group with both of its users
+        fully_shard([model.tok_embeddings, model.lm_head], mesh=mesh)
+    else:
+        raise ValueError(head)
+    fully_shard(model, mesh=mesh)
+    # layers + head group + root (root keeps embeddings and/or norm)
+    return len(model.layers) + 2
+
+
+def make_mesh(kind: str):
+    world = dist.get_world_size()
+    if kind == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+# --------------------------------------------------------------------------- counting
+
+
+class CollectiveCounter:
+    """Counts FSDP2's collectives (same approach as test/distributed/fsdp_lifecycle_testing.py).
+
+    Bytes are this rank's buffer sizes: the unsharded input of a
+    reduce-scatter, the unsharded output of an all-gather, the tensor of an
+    all-reduce.
+    """
+
+    _FUNCTIONS = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single",
+                  "all_reduce": "all_reduce"}
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator["CollectiveCounter"]:
+        originals = {name: getattr(dist, name) for name in self._FUNCTIONS.values()}
+
+        def wrap(kind, fn):
+            def wrapper(*args, **kwargs):
+                self.counts[kind] += 1
+                if kind == "all_gather":
+                    t = kwargs.get("output", kwargs.get("output_tensor", args[0] if args else None))
+                elif kind == "reduce_scatter":
+                    t = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+                else:
+                    t = kwargs.get("tensor", args[0] if args else None)
+                if isinstance(t, torch.Tensor):
+                    self.bytes[kind] += t.numel() * t.element_size()
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        try:
+            for kind, name in self._FUNCTIONS.items():
+                setattr(dist, name, wrap(kind, originals[name]))
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * scale
+
+
+def microbatch_a(model, tokens, labels, *, num_chunks, scale, last):
+    """(a) the series' public API."""
+    with model.fsdp_policy(requires_gradient_sync=last, recurse=True, is_last_backward=last):
+        h = model(tokens)
+        h_chunks = [c.detach().requires_grad_(True) for c in h.chunk(num_chunks, dim=1)]
+        total = torch.zeros(())
+        with model.lm_head.partial_backward(outer_backward=True):
+            for h_chunk, label_chunk in zip(h_chunks, labels.chunk(num_chunks, dim=1)):
+                logits = model.lm_head.finish_forward(model.lm_head(h_chunk))
+                loss = _ce(logits, label_chunk, scale)
+                loss.backward()
+                total += loss.detach()
+        h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+    return total
+
+
+def _set_caller_policy(model, last: bool) -> None:
+    # The caller's deferral through the existing 2.15.0 setters
+    model.set_requires_gradient_sync(last)
+    model.set_is_last_backward(last)
+
+
+def make_microbatch_b(num_chunks: int, tokens_per_step: int):
+    """(b) torchtitan's ChunkedLossWrapper, unchanged."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=num_chunks))
+    gvt = torch.tensor(float(tokens_per_step))
+
+    def microbatch_b(model, tokens, labels, *, num_chunks, scale, last):
+        if wrapper.lm_head is None:
+            wrapper.set_lm_head(model.lm_head)
+        _set_caller_policy(model, last)
+        loss, _ = wrapper(model(tokens), labels, gvt)
+        loss.backward()
+        return loss.detach()
+
+    return microbatch_b
+
+
+def microbatch_c(model, tokens, labels, *, num_chunks, scale, last):
+    """(c) 2.15.0 with a wrapper that restores the caller's policy via the setters."""
+    _set_caller_policy(model, last)
+    head = model.lm_head
+    h = model(tokens)
+    h_chunks = [c.detach().requires_grad_(True) for c in h.chunk(num_chunks, dim=1)]
+    total = torch.zeros(())
+    # Keep the head unsharded and unreduced across chunks
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    try:
+        for h_chunk, label_chunk in zip(h_chunks, labels.chunk(num_chunks, dim=1)):
+            loss = _ce(head(h_chunk), label_chunk, scale)
+            loss.backward()
+            total += loss.detach()
+    finally:
+        # Restore what the caller set (2.15.0 has no getters: the wrapper is
+        # told). set_requires_gradient_sync(x) also sets the HSDP all-reduce to x.
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(last, recurse=False)
+    h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+    return total
+
+
+def microbatch_d(model, tokens, labels, *, num_chunks, scale, last):
+    """(d) full logits, one backward; the same code on both torches (existing setters)."""
+    _set_caller_policy(model, last)
+    loss = _ce(model.lm_head(model(tokens)), labels, scale)
+    loss.backward()
+    return loss.detach()
+
+
+def microbatch_fn(method: str, *, num_chunks: int, tokens_per_step: int) -> Callable:
+    if method == "b":
+        return make_microbatch_b(num_chunks, tokens_per_step)
+    return {"a": microbatch_a, "c": microbatch_c, "d": microbatch_d}[method]
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _worker(rank, world_size, store_path, fn, args, out_dir):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(result))
+    except Exception:
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps({"error": traceback.format_exc()}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, *args):
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; returns rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, tmp),
+                               nprocs=world_size, start_method="fork")
+        except Exception as e:  # a rank raised: report rank 0's traceback if it has one
+            path = Path(tmp, "result.json")
+            if path.exists():
+                return json.loads(path.read_text())
+            return {"error": f"{type(e).__name__}: {e}"}
+        return json.loads(Path(tmp, "result.json").read_text())
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
