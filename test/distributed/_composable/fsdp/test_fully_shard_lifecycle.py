@@ -1006,6 +1006,43 @@ class TestFullyShardPartialBackwardLifecycle(
         self._reference_step(ref, tokens, labels)
         self._assert_matches_reference(model, ref, "grad")
 
+    def test_manual_finalization(self):
+        """
+        Under manual backward finalization, the gradients that
+        ``partial_backward`` accumulates stay pending through every
+        microbatch and ``finalize_backward`` reduces each trainable group once.
+        """
+        self.run_subtests(
+            {"layout": list(HEAD_LAYOUTS), "norm_in_forward": [True, False]},
+            self._test_manual_finalization,
+        )
+
+    def _test_manual_finalization(self, layout: str, norm_in_forward: bool) -> None:
+        mesh = self._mesh()
+        model, ref = _make_models(
+            layout, "full", norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        model.set_manual_backward_finalization(True)
+        tokens, labels = _make_data(self.rank)
+        policies = _policies(model)
+        recorder = _Recorder(model)
+        with recorder.record():
+            for mb in range(NUM_MICROBATCHES):
+                with model.fsdp_policy(requires_gradient_sync=False, recurse=True):
+                    _chunked_loss_step(model, tokens[mb], labels[mb])
+                self.assertEqual(recorder.counter["reduce_scatter"], 0)
+            self.assertTrue(_head_group(model)._post_backward_pending)
+            model.finalize_backward()
+        for group in _trainable_groups(model):
+            self.assertEqual(recorder.reduce_scatters[group], 1, _group_name(group))
+        self.assertEqual(
+            recorder.counter["reduce_scatter"], len(_trainable_groups(model))
+        )
+        self.assertFalse(any(g._post_backward_pending for g in _param_groups(model)))
+        self.assertEqual(_policies(model), policies)
+        self._reference_step(ref, tokens, labels)
+        self._assert_matches_reference(model, ref, "grad")
+
 
 if __name__ == "__main__":
     run_tests()
