@@ -1,0 +1,579 @@
+# Owner(s): ["oncall: distributed"]
+"""
+Pipelining with FSDP2 stages whose loss runs backward inside the forward action
+(a chunked loss on the last stage written with ``partial_backward`` and
+``finish_forward``): no-sync from the step entry with exact policy restore, one
+reduce-scatter per FSDP group per finalized step, and an FSDP reset after
+metadata inference (pytorch/pytorch#203178).
+
+World 4 = PP2 x FSDP2 (or PP2 x HSDP(1, 2)), gloo on CPU.
+"""
+
+import contextlib
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.testing._internal.common_utils import run_tests
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_lifecycle_testing import (  # noqa: E402
+    CollectiveCounter,
+    GlooMultiProcessTestCase,
+)
+
+
+VOCAB, DIM, SEQ = 16, 8, 4
+NUM_LAYERS = 4
+NUM_MICROBATCHES = 4
+MICROBATCH_SIZE = 2
+DP = 2
+LOCAL_BATCH = NUM_MICROBATCHES * MICROBATCH_SIZE
+NUM_LOSS_CHUNKS = 2
+LR = 0.1
+
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, 2),
+    "1f1b": (Schedule1F1B, 2),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 4),
+    "zbv": (ScheduleZBVZeroBubble, 4),
+    "interleaved_zb": (ScheduleInterleavedZeroBubble, 4),
+}
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class TinyLM(nn.Module):
+    """The single-process reference; stage modules reuse its parameter names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Layer() for i in range(NUM_LAYERS)})
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+class StageModule(nn.Module):
+    """
+    A pipeline stage of ``TinyLM``. The last stage holds ``norm`` and
+    ``lm_head`` but its forward returns hidden states; the chunked loss runs the
+    head. With ``norm_in_forward`` (the grouped ``[norm, lm_head]`` head) the
+    forward also applies ``norm``, leaving the group forward partial.
+    """
+
+    def __init__(
+        self, model: TinyLM, layer_ids: list[int], first: bool, last: bool, norm_in_forward: bool
+    ) -> None:
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.norm_in_forward = norm_in_forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is not None and self.norm_in_forward:
+            x = self.norm(x)
+        return x
+
+
+def make_chunked_loss(
+    stages_by_index: dict[int, StageModule], last: int, head: str, frozen_decoder: bool
+):
+    """
+    A chunked cross-entropy that runs one head backward per sequence chunk
+    inside the forward action, then returns a surrogate whose backward sends
+    the accumulated hidden-state gradient into the decoder. With a frozen
+    decoder nothing runs backward after the head, so the loss returns no
+    surrogate and the head's partial backward has no outer backward.
+    """
+
+    def loss_fn(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        stage_mod = stages_by_index[last]
+        lm_head = stage_mod.lm_head
+        run_backward = torch.is_grad_enabled() and (frozen_decoder or h.requires_grad)
+        h_detached = h.detach().requires_grad_(run_backward and not frozen_decoder)
+        total = h.new_zeros(())
+        ctx = (
+            lm_head.partial_backward(outer_backward=not frozen_decoder)
+            if run_backward
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            for h_chunk, t_chunk in zip(
+                h_detached.chunk(NUM_LOSS_CHUNKS, dim=1),
+                target.chunk(NUM_LOSS_CHUNKS, dim=1),
+            ):
+                if head == "grouped":
+                    logits = lm_head.finish_forward(lm_head(h_chunk))
+                else:
+                    logits = lm_head(stage_mod.norm(h_chunk))
+                loss = (
+                    F.cross_entropy(
+                        logits.flatten(0, 1), t_chunk.flatten(), reduction="sum"
+                    )
+                    / target.numel()
+                )
+                if run_backward:
+                    loss.backward()
+                total = total + loss.detach()
+        if not run_backward or frozen_decoder:
+            return total
+        surrogate = (h * h_detached.grad).sum()
+        return surrogate - surrogate.detach() + total
+
+    return loss_fn
+
+
+def pending_fsdp_state(module: nn.Module) -> list[str]:
+    """What FSDP still holds from a backward, as readable strings."""
+    pending = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            name = group._module_fqn or "<root>"
+            if group._post_backward_pending:
+                pending.append(f"{name}: post-backward pending")
+            if group._partial_reduce_output is not None:
+                pending.append(f"{name}: partial reduce output")
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    pending.append(f"{name}: unsharded grad")
+                if fsdp_param.sharded_param.grad is not None:
+                    pending.append(f"{name}: sharded grad")
+        if state._state_ctx.iter_forward_root is not None:
+            pending.append("iter_forward_root")
+    return pending
+
+
+class PipelineBuild:
+    """One PP2 x DP2 pipeline with FSDP stages and its reference model."""
+
+    def __init__(
+        self,
+        rank: int,
+        schedule_name: str,
+        head: str,
+        hsdp: bool,
+        policy: FSDPPolicy,
+        frozen_decoder: bool = False,
+    ) -> None:
+        schedule_cls, num_stages = SCHEDULES[schedule_name]
+        if hsdp:
+            mesh = init_device_mesh(
+                "cpu", (2, 1, DP), mesh_dim_names=("pp", "replicate", "shard")
+            )
+            dp_mesh = mesh["replicate", "shard"]
+        else:
+            mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+            dp_mesh = mesh["dp"]
+        self.dp_group = (
+            dp_mesh._flatten().get_group() if hsdp else dp_mesh.get_group()
+        )
+        pp_group = mesh["pp"].get_group()
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.dp_rank = rank % DP
+
+        torch.manual_seed(0)
+        self.ref_model = TinyLM()
+        if frozen_decoder:
+            # Only the head (norm and lm_head, both on the last stage) trains
+            for module in (self.ref_model.embed, self.ref_model.layers):
+                module.requires_grad_(False)
+        model = copy.deepcopy(self.ref_model)
+        self.ref_optim = torch.optim.SGD(self.ref_model.parameters(), lr=LR)
+
+        if schedule_name == "zbv":
+            stage_indices = [self.pp_rank, num_stages - 1 - self.pp_rank]
+        elif num_stages == 4:
+            stage_indices = [self.pp_rank, self.pp_rank + 2]
+        else:
+            stage_indices = [self.pp_rank]
+        layers_per_stage = NUM_LAYERS // num_stages
+        self.last_stage_index = num_stages - 1
+        self.stage_mods: dict[int, StageModule] = {}
+        stages = []
+        for stage_index in sorted(stage_indices):
+            is_last = stage_index == num_stages - 1
+            stage_mod = StageModule(
+                model,
+                list(
+                    range(
+                        stage_index * layers_per_stage,
+                        (stage_index + 1) * layers_per_stage,
+                    )
+                ),
+                first=stage_index == 0,
+                last=is_last,
+                norm_in_forward=is_last and head == "grouped",
+            )
+            for layer in stage_mod.layers.values():
+                fully_shard(layer, mesh=dp_mesh)
+            if is_last:
+                if head == "grouped":
+                    fully_shard([stage_mod.norm, stage_mod.lm_head], mesh=dp_mesh)
+                else:
+                    fully_shard(stage_mod.lm_head, mesh=dp_mesh)
+            fully_shard(stage_mod, mesh=dp_mesh)
+            stage_mod.set_fsdp_policy(policy, recurse=True)
+            self.stage_mods[stage_index] = stage_mod
+            stages.append(
+                PipelineStage(
+                    stage_mod, stage_index, num_stages, torch.device("cpu"), group=pp_group
+                )
+            )
+        self.has_first = 0 in self.stage_mods
+        self.has_last = self.last_stage_index in self.stage_mods
+        # Sharded parameters by reference name, taken before any forward
+        self.params = {
+            name: param
+            for stage_mod in self.stage_mods.values()
+            for name, param in stage_mod.named_parameters()
+        }
+        self.optim = torch.optim.SGD(list(self.params.values()), lr=LR)
+        self.fsdp_modules = [
+            m
+            for stage_mod in self.stage_mods.values()
+            for m in stage_mod.modules()
+            if isinstance(m, FSDPModule)
+        ]
+        # One reduce-scatter per FSDP parameter group with trainable
+        # parameters (a grouped head is one group)
+        self.num_groups = len(
+            {
+                group
+                for m in self.fsdp_modules
+                for group in m._get_fsdp_state()._fsdp_param_groups
+                if any(p.sharded_param.requires_grad for p in group.fsdp_params)
+            }
+        )
+        loss_fn = make_chunked_loss(
+            self.stage_mods, self.last_stage_index, head, frozen_decoder
+        )
+        if len(stages) == 1:
+            self.schedule = schedule_cls(
+                stages[0], n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn
+            )
+        else:
+            self.schedule = schedule_cls(
+                stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn
+            )
+        self.stages = stages
+        self.counter = CollectiveCounter()
+        self.ref_losses: list[float] = []
+
+    def policies(self) -> list[FSDPPolicy]:
+        return [m.get_fsdp_policy() for m in self.fsdp_modules]
+
+    @staticmethod
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, VOCAB, (DP * LOCAL_BATCH, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (DP * LOCAL_BATCH, SEQ), generator=gen)
+        return tokens, labels
+
+    def step(self, step: int, *, finalize_gradients: bool = True) -> int:
+        """Run one pipeline step and the reference; return reduce-scatters."""
+        tokens, labels = self.batch(step)
+        local = slice(self.dp_rank * LOCAL_BATCH, (self.dp_rank + 1) * LOCAL_BATCH)
+        args = (tokens[local],) if self.has_first else ()
+        kwargs = {"target": labels[local]} if self.has_last else {}
+        losses: list[torch.Tensor] = []
+        self.counter.reset()
+        with self.counter.count():
+            self.schedule.step(
+                *args, losses=losses, finalize_gradients=finalize_gradients, **kwargs
+            )
+        num_reduce_scatters = self.counter["reduce_scatter"]
+        ref_loss = F.cross_entropy(
+            self.ref_model(tokens).flatten(0, 1), labels.flatten()
+        )
+        ref_loss.backward()
+        self.last_losses = losses
+        self.last_ref_loss = ref_loss.detach()
+        return num_reduce_scatters
+
+    def pp_loss(self) -> torch.Tensor:
+        loss = torch.stack([last.detach() for last in self.last_losses]).mean()
+        dist.all_reduce(loss, group=self.dp_group)
+        return loss / DP
+
+    def check_grads_and_update(self, test) -> None:
+        """Compare gradients with the reference, step both optimizers, compare
+        parameters and zero the gradients."""
+        for m in self.fsdp_modules:
+            m.reshard()  # before reading or updating the sharded parameters
+        ref_params = dict(self.ref_model.named_parameters())
+        for name, param in self.params.items():
+            if not param.requires_grad:
+                test.assertIsNone(param.grad, name)
+                test.assertIsNone(ref_params[name].grad, name)
+                continue
+            test.assertIsNotNone(param.grad, name)
+            test.assertEqual(
+                param.grad.full_tensor(),
+                ref_params[name].grad,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=name,
+            )
+        self.optim.step()
+        self.ref_optim.step()
+        for name, param in self.params.items():
+            test.assertEqual(
+                param.full_tensor(), ref_params[name], atol=1e-5, rtol=1e-5, msg=name
+            )
+        self.optim.zero_grad(set_to_none=True)
+        self.ref_optim.zero_grad(set_to_none=True)
+
+
+class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _check_loss(self, build: PipelineBuild) -> None:
+        if build.has_last:
+            self.assertEqual(build.pp_loss(), build.last_ref_loss, atol=1e-5, rtol=1e-5)
+
+    def test_parity_and_one_reduce_scatter_per_group(self):
+        """
+        Per schedule: losses, gradients and parameters after the optimizer step
+        equal the reference; each finalized step (including the first, which
+        runs metadata inference) reduce-scatters once per FSDP group; the
+        caller's policy is back exactly after each finalized step; a
+        non-finalized step followed by a finalized one accumulates.
+        """
+        self.run_subtests(
+            {
+                "schedule_name": [
+                    "gpipe",
+                    "1f1b",
+                    "interleaved_1f1b",
+                    "zbv",
+                    "interleaved_zb",
+                ],
+                "head": ["separate", "grouped"],
+                "hsdp": [False, True],
+            },
+            self._test_parity,
+        )
+
+    def test_frozen_decoder(self):
+        """
+        With the decoder frozen, only the head trains and the chunked loss runs
+        its head backwards with no outer backward: parity with the reference
+        and one reduce-scatter per trainable FSDP group per finalized step.
+        """
+        self.run_subtests(
+            {
+                "schedule_name": ["gpipe", "interleaved_1f1b", "zbv"],
+                "head": ["separate"],
+                "hsdp": [False, True],
+                "frozen_decoder": [True],
+            },
+            self._test_parity,
+        )
+
+    def _test_parity(
+        self, schedule_name: str, head: str, hsdp: bool, frozen_decoder: bool = False
+    ) -> None:
+        # A caller policy that 2.15.0's finalization overwrote
+        policy = FSDPPolicy(reshard_after_backward=False)
+        build = PipelineBuild(
+            self.rank, schedule_name, head, hsdp, policy, frozen_decoder
+        )
+        counts = []
+        # Step 0 runs metadata inference; step 1 is a steady-state step
+        for step in range(2):
+            counts.append(build.step(step))
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            self._check_loss(build)
+            build.check_grads_and_update(self)
+        # Accumulation: a non-finalized step then a finalized one
+        counts.append(build.step(2, finalize_gradients=False))
+        self.assertEqual(build.policies()[0].requires_gradient_sync, False)
+        counts.append(build.step(3))
+        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        build.check_grads_and_update(self)
+        expected = [build.num_groups, build.num_groups, 0, build.num_groups]
+        self.assertEqual(counts, expected, msg=f"{schedule_name} rank {self.rank}")
+
+    def test_metadata_inference_failure_then_retry(self):
+        """
+        A step whose metadata inference raises leaves the caller's policy and
+        no FSDP state behind; retrying it gives exactly the result of a clean
+        run, with one reduce-scatter per group.
+        """
+        self.run_subtests(
+            {"schedule_name": ["1f1b", "zbv"]}, self._test_failure_then_retry
+        )
+
+    def _test_failure_then_retry(self, schedule_name: str) -> None:
+        policy = FSDPPolicy(reshard_after_backward=False)
+        clean = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
+        self.assertEqual(clean.step(0), clean.num_groups)
+        for m in clean.fsdp_modules:
+            m.reshard()
+        clean_grads = {
+            name: param.grad.full_tensor() for name, param in clean.params.items()
+        }
+
+        build = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
+        if build.has_first:
+            # The first layer of stage 0 raises in its first forward (after
+            # FSDP unsharded it): the probe forward of metadata inference,
+            # which runs before any pipeline communication. Every rank holding
+            # stage 0 fails there; the other ranks wait for the retry in their
+            # first receive.
+            def fail_once(module, args):
+                handle.remove()
+                raise RuntimeError("injected metadata inference failure")
+
+            handle = build.stage_mods[0].layers["0"].register_forward_pre_hook(
+                fail_once
+            )
+            with self.assertRaisesRegex(RuntimeError, "injected"):
+                build.step(0)
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            for stage_mod in build.stage_mods.values():
+                self.assertEqual(pending_fsdp_state(stage_mod), [])
+        self.assertEqual(build.step(0), build.num_groups)
+        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        for m in build.fsdp_modules:
+            m.reshard()
+        for name, param in build.params.items():
+            self.assertEqual(
+                param.grad.full_tensor(), clean_grads[name], atol=0, rtol=0, msg=name
+            )
+        self._check_loss(build)
+        build.check_grads_and_update(self)
+
+    def test_unreduced_group_is_scaled_by_the_reducing_finalization(self):
+        """
+        A finalized step whose restored policy has requires_gradient_sync=False
+        reduces nothing (HSDP's requires_all_reduce stays as the caller set
+        it); the next finalized step reduces and scales the accumulated
+        gradients once.
+        """
+        self.run_subtests(
+            {"schedule_name": ["1f1b", "interleaved_1f1b"], "hsdp": [False, True]},
+            self._test_unreduced_group,
+        )
+
+    def _test_unreduced_group(self, schedule_name: str, hsdp: bool) -> None:
+        no_sync = FSDPPolicy(requires_gradient_sync=False, requires_all_reduce=False)
+        build = PipelineBuild(self.rank, schedule_name, "grouped", hsdp, no_sync)
+        self.assertEqual(build.step(0), 0)
+        self.assertEqual(build.policies(), [no_sync] * len(build.fsdp_modules))
+        for m in build.fsdp_modules:
+            m.set_fsdp_policy(FSDPPolicy())
+        self.assertEqual(build.step(1), build.num_groups)
+        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
+        build.check_grads_and_update(self)
+
+    def test_hsdp_deferred_all_reduce_raises_before_changing_anything(self):
+        policy = FSDPPolicy(requires_all_reduce=False)
+        build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
+        with self.assertRaisesRegex(ValueError, "requires_all_reduce=False"):
+            build.schedule.step(
+                *((build.batch(0)[0][:LOCAL_BATCH],) if build.has_first else ()),
+                **({"target": build.batch(0)[1][:LOCAL_BATCH]} if build.has_last else {}),
+            )
+        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        self.assertEqual(pending_fsdp_state(build.stage_mods[build.pp_rank if build.pp_rank in build.stage_mods else build.last_stage_index]), [])
+
+    def test_train_eval_train(self):
+        """
+        An eval step leaves no gradients and no pending FSDP state although the
+        loss would run backward; switching to eval with unreduced gradients
+        raises and changes nothing; train -> eval -> train matches the reference.
+        """
+        self.run_subtests(
+            {"schedule_name": ["gpipe", "interleaved_1f1b"], "head": ["separate", "grouped"]},
+            self._test_train_eval_train,
+        )
+
+    def _test_train_eval_train(self, schedule_name: str, head: str) -> None:
+        build = PipelineBuild(self.rank, schedule_name, head, False, FSDPPolicy())
+        self.assertEqual(build.step(0), build.num_groups)
+        build.check_grads_and_update(self)
+
+        tokens, labels = build.batch(10)
+        local = slice(build.dp_rank * LOCAL_BATCH, (build.dp_rank + 1) * LOCAL_BATCH)
+        args = (tokens[local],) if build.has_first else ()
+        kwargs = {"target": labels[local]} if build.has_last else {}
+        losses: list[torch.Tensor] = []
+        build.counter.reset()
+        with build.counter.count():
+            build.schedule.eval(*args, losses=losses, **kwargs)
+        self.assertEqual(build.counter["reduce_scatter"], 0)
+        for stage_mod in build.stage_mods.values():
+            self.assertEqual(pending_fsdp_state(stage_mod), [])
+            for m in stage_mod.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            for param in stage_mod.parameters():
+                self.assertIsNone(param.grad)
+        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
+        if build.has_last:
+            with torch.no_grad():
+                ref_loss = F.cross_entropy(
+                    build.ref_model(tokens).flatten(0, 1), labels.flatten()
+                )
+            loss = torch.stack(losses).mean()
+            dist.all_reduce(loss, group=build.dp_group)
+            self.assertEqual(loss / DP, ref_loss, atol=1e-5, rtol=1e-5)
+
+        # Train again (metadata inference reruns), non-finalized
+        self.assertEqual(build.step(1, finalize_gradients=False), 0)
+        # Switching to eval now would discard the pending gradients: raise,
+        # touching nothing
+        no_sync_policies = build.policies()
+        with self.assertRaisesRegex(RuntimeError, "not reduced yet"):
+            build.schedule.eval(*args, **kwargs)
+        self.assertEqual(build.policies(), no_sync_policies)
+        # Finalizing still accumulates both training steps
+        self.assertEqual(build.step(2), build.num_groups)
+        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
+        build.check_grads_and_update(self)
+
+
+if __name__ == "__main__":
+    run_tests()
