@@ -36,6 +36,11 @@ def test_collectives_tiny():
     assert "error" not in out
 
 
+def test_pp_collectives_tiny():
+    out = run(str(BENCH / "pp_collectives.py"), "--schedules", "GPipe")
+    assert "| GPipe | 3 |" in out
+
+
 def test_step_time_tiny():
     extra = [] if importlib.util.find_spec("torchtitan") else ["--no-torchtitan"]
     out = run(str(BENCH / "step_time.py"), "--vocab", "64", "--dim", "8", "--layers", "1",

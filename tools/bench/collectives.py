@@ -186,7 +186,7 @@ def main() -> None:
         pp_rows = [["PP2xFSDP2", "-", sched, "-", "PP: pending patch", "", "", "", "", ""]
                    for sched in ("GPipe", "1F1B", "Interleaved1F1B")]
     else:
-        pp_rows = [["PP2xFSDP2", "-", "-", "-", "PP: pipelining patch present; not measured by this script",
+        pp_rows = [["PP2xFSDP2", "-", "-", "-", "PP: see tools/bench/pp_collectives.py",
                     "", "", "", "", ""]]
     merged = results
     if args.compare:

@@ -99,6 +99,10 @@ step "1. collectives per optimizer step (patched: methods a, b, d; merged with t
 "$PATCHED" tools/bench/collectives.py "${COLL[@]}" --methods a,b,d --json "$B/collectives-patched.json" \
   --dump "$B/dump-patched" --compare "$B/collectives-pristine.json" \
   --compare-dump "$B/dump-pristine" 2>&1 | filter
+step "1b. PP2 x FSDP2 reduce-scatters per step, chunked loss on the last stage (unpatched 2.15.0)"
+"$PRISTINE" tools/bench/pp_collectives.py 2>&1 | filter
+step "1b. PP2 x FSDP2 reduce-scatters per step (patched: partial_backward)"
+"$PATCHED" tools/bench/pp_collectives.py 2>&1 | filter
 step "2. step time (patched torch, same run)  [uptime: $(uptime | sed 's/.*load/load/')]"
 "$PATCHED" tools/bench/step_time.py "${STEP[@]}" 2>&1 | filter
 step "3. peak memory, chunked vs full logits"
