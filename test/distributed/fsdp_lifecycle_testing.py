@@ -63,14 +63,22 @@ class CollectiveCounter:
     """
     Counts the collectives FSDP2 issues by wrapping the ``torch.distributed``
     functions it calls: ``all_gather_single``, ``reduce_scatter_single`` and
-    ``all_reduce``. Counts are per process group size and per kind, and are
-    taken only inside :meth:`count`.
+    ``all_reduce``. Counts are per kind and are taken only inside
+    :meth:`count`. Bytes are this rank's buffer sizes: the unsharded input of a
+    reduce-scatter, the unsharded output of an all-gather, the tensor of an
+    all-reduce.
     """
 
     _FUNCTIONS = {
         "all_gather": "all_gather_single",
         "reduce_scatter": "reduce_scatter_single",
         "all_reduce": "all_reduce",
+    }
+    # Position and keyword names of the buffer whose size ``bytes`` counts
+    _BUFFER_ARGS = {
+        "all_gather": (0, ("output_tensor", "output")),
+        "reduce_scatter": (1, ("input", "input_tensor")),
+        "all_reduce": (0, ("tensor",)),
     }
 
     def __init__(self) -> None:
@@ -89,16 +97,14 @@ class CollectiveCounter:
         originals = {name: getattr(dist, name) for name in self._FUNCTIONS.values()}
 
         def wrap(kind, fn):
+            position, keywords = self._BUFFER_ARGS[kind]
+
             def wrapper(*args, **kwargs):
                 self.counts[kind] += 1
-                # The input tensor: ``(output, input)`` for all-gather and
-                # reduce-scatter, ``(tensor,)`` for all-reduce; FSDP passes
-                # either positionally or by keyword
-                tensor = kwargs.get("input", kwargs.get("input_tensor"))
-                if tensor is None:
-                    tensor = kwargs.get("tensor")
-                if tensor is None and args:
-                    tensor = args[1] if len(args) > 1 else args[0]
+                # FSDP passes the buffers positionally or by keyword
+                tensor = next((kwargs[k] for k in keywords if k in kwargs), None)
+                if tensor is None and len(args) > position:
+                    tensor = args[position]
                 if isinstance(tensor, torch.Tensor):
                     self.bytes[kind] += tensor.numel() * tensor.element_size()
                 return fn(*args, **kwargs)

@@ -23,13 +23,12 @@ sync"):
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
+import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -121,48 +120,10 @@ def make_mesh(kind: str):
 # --------------------------------------------------------------------------- counting
 
 
-class CollectiveCounter:
-    """Counts FSDP2's collectives (same approach as test/distributed/fsdp_lifecycle_testing.py).
-
-    Bytes are this rank's buffer sizes: the unsharded input of a
-    reduce-scatter, the unsharded output of an all-gather, the tensor of an
-    all-reduce.
-    """
-
-    _FUNCTIONS = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single",
-                  "all_reduce": "all_reduce"}
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.bytes: collections.Counter[str] = collections.Counter()
-
-    @contextlib.contextmanager
-    def count(self) -> Iterator["CollectiveCounter"]:
-        originals = {name: getattr(dist, name) for name in self._FUNCTIONS.values()}
-
-        def wrap(kind, fn):
-            def wrapper(*args, **kwargs):
-                self.counts[kind] += 1
-                if kind == "all_gather":
-                    t = kwargs.get("output", kwargs.get("output_tensor", args[0] if args else None))
-                elif kind == "reduce_scatter":
-                    t = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
-                else:
-                    t = kwargs.get("tensor", args[0] if args else None)
-                if isinstance(t, torch.Tensor):
-                    self.bytes[kind] += t.numel() * t.element_size()
-                return fn(*args, **kwargs)
-
-            return wrapper
-
-        try:
-            for kind, name in self._FUNCTIONS.items():
-                setattr(dist, name, wrap(kind, originals[name]))
-            yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-
+# The test suite's counter: the same wrapping of all_gather_single,
+# reduce_scatter_single and all_reduce, with bytes as this rank's buffer sizes
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "distributed"))
+from fsdp_lifecycle_testing import CollectiveCounter  # noqa: E402,F401
 
 # --------------------------------------------------------------------------- steps
 
