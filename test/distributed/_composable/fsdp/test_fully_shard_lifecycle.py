@@ -545,64 +545,55 @@ class _LifecycleTestMixin:
         self.assertFalse(bookkeeping["iter_forward_root"])
 
 
-class TestFullyShardChunkedLoss(_LifecycleTestMixin, GlooMultiProcessTestCase):
-    """The chunked-loss matrix on FSDP (2 ranks), one spawn per head layout."""
+class _ChunkedLossMatrix(_LifecycleTestMixin):
+    """The chunked-loss matrix, one spawn per head layout."""
+
+    # Deferral modes (see ``_microbatch_policy``), set per mesh by subclasses
+    deferrals: tuple[str, ...]
+
+    def _run_layout(self, layout: str) -> None:
+        self.run_subtests(
+            {
+                "layout": [layout],
+                "norm_in_forward": [True, False],
+                "training": ["full", "frozen_trunk", "lm_head_only"],
+                "deferral": list(self.deferrals),
+            },
+            self._test_chunked_loss,
+        )
+
+    def test_chunked_loss_separate_head(self):
+        self._run_layout("separate")
+
+    def test_chunked_loss_grouped_head(self):
+        self._run_layout("grouped")
+
+    def test_chunked_loss_tied_grouped_head(self):
+        self._run_layout("tied")
+
+
+class TestFullyShardChunkedLoss(_ChunkedLossMatrix, GlooMultiProcessTestCase):
+    """The chunked-loss matrix on FSDP (2 ranks)."""
+
+    deferrals = ("on", "off")
 
     @property
     def world_size(self) -> int:
         return 2
 
-    def _run_layout(self, layout: str) -> None:
-        self.run_subtests(
-            {
-                "layout": [layout],
-                "norm_in_forward": [True, False],
-                "training": ["full", "frozen_trunk", "lm_head_only"],
-                "deferral": ["on", "off"],
-            },
-            self._test_chunked_loss,
-        )
 
-    def test_chunked_loss_separate_head(self):
-        self._run_layout("separate")
-
-    def test_chunked_loss_grouped_head(self):
-        self._run_layout("grouped")
-
-    def test_chunked_loss_tied_grouped_head(self):
-        self._run_layout("tied")
-
-
-class TestFullyShardChunkedLossHSDP(_LifecycleTestMixin, GlooMultiProcessTestCase):
+class TestFullyShardChunkedLossHSDP(_ChunkedLossMatrix, GlooMultiProcessTestCase):
     """
-    The chunked-loss matrix on HSDP (2x2 mesh, 4 ranks), one spawn per head
-    layout; ``rs_only`` turns the replica all-reduce off for early
-    microbatches (reduce-scatter per microbatch, all-reduce once per step).
+    The chunked-loss matrix on HSDP (2x2 mesh, 4 ranks); ``rs_only`` turns the
+    replica all-reduce off for early microbatches (reduce-scatter per
+    microbatch, all-reduce once per step).
     """
+
+    deferrals = ("on", "off", "rs_only")
 
     @property
     def world_size(self) -> int:
         return 4
-
-    def _run_layout(self, layout: str) -> None:
-        self.run_subtests(
-            {
-                "layout": [layout],
-                "norm_in_forward": [True, False],
-                "training": ["full", "frozen_trunk", "lm_head_only"],
-                "deferral": ["on", "off", "rs_only"],
-            },
-            self._test_chunked_loss,
-        )
-
-    def test_chunked_loss_separate_head(self):
-        self._run_layout("separate")
-
-    def test_chunked_loss_grouped_head(self):
-        self._run_layout("grouped")
-
-    def test_chunked_loss_tied_grouped_head(self):
-        self._run_layout("tied")
 
 
 class _InjectedError(Exception):
