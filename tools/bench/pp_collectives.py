@@ -7,11 +7,17 @@ head backwards inside the forward action, as torchtitan's does on the last
 stage: on a torch with this series they run under ``lm_head.partial_backward()``,
 on pristine 2.15.0 as plain backwards (the only option there).
 
-For each schedule it prints, per rank, the number of FSDP parameter groups
-(the minimum: one reduce-scatter per group per finalized step) and the
-reduce-scatters of step 1 (which also runs metadata inference) and step 2.
+With ``--loss torchtitan`` the loss is torchtitan's own ``ChunkedLossWrapper``
+instead (``torchtitan.components.loss``; it keeps the head unsharded and forces
+its gradient sync on for the last chunk).
 
-    python tools/bench/pp_collectives.py [--schedules GPipe,1F1B,...]
+For each schedule it prints, per rank, the number of FSDP parameter groups
+(the minimum: one reduce-scatter per group per finalized step), the
+reduce-scatters of step 1 (which also runs metadata inference) and step 2, and
+step 2's all-gathers, all-reduces and bytes (reduce-scatter input, all-gather
+output; the all-reduce count includes the schedule's own metadata traffic).
+
+    python tools/bench/pp_collectives.py [--schedules GPipe,1F1B,...] [--loss api|torchtitan]
 """
 
 from __future__ import annotations
@@ -85,6 +91,20 @@ def stage_indices(name: str, num_stages: int, pp_rank: int) -> list[int]:
     return list(range(pp_rank, num_stages, 2))
 
 
+def make_torchtitan_loss(lm_head: nn.Module | None):
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=NUM_CHUNKS))
+    if lm_head is not None:
+        wrapper.set_lm_head(lm_head)
+
+    def loss_fn(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss, _ = wrapper(h, target, torch.tensor(float(target.numel())))
+        return loss
+
+    return loss_fn
+
+
 def make_chunked_loss(lm_head: nn.Module | None):
     def loss_fn(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         train = h.requires_grad and torch.is_grad_enabled()
@@ -115,7 +135,9 @@ def make_chunked_loss(lm_head: nn.Module | None):
     return loss_fn
 
 
-def worker(rank: int, store_path: str, schedules: list[str], queue) -> None:
+def worker(
+    rank: int, store_path: str, schedules: list[str], loss: str, queue
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4
@@ -154,9 +176,11 @@ def worker(rank: int, store_path: str, schedules: list[str], queue) -> None:
         schedule = schedule_cls(
             stages[0] if len(stages) == 1 else stages,
             n_microbatches=NUM_MICROBATCHES,
-            loss_fn=make_chunked_loss(last.lm_head if last is not None else None),
+            loss_fn=(make_torchtitan_loss if loss == "torchtitan" else make_chunked_loss)(
+                last.lm_head if last is not None else None
+            ),
         )
-        counts = []
+        counts, counter = [], CollectiveCounter()
         for step in range(2):
             gen = torch.Generator().manual_seed(step)
             size = (NUM_MICROBATCHES * MICROBATCH_SIZE, SEQ)
@@ -164,19 +188,32 @@ def worker(rank: int, store_path: str, schedules: list[str], queue) -> None:
             labels = torch.randint(0, VOCAB, size, generator=gen)
             args = (tokens,) if 0 in modules else ()
             kwargs = {"target": labels} if last is not None else {}
-            counter = CollectiveCounter()
+            counter.reset()
             with counter.count():
                 schedule.step(*args, **kwargs)
             for module in modules.values():
                 module.zero_grad(set_to_none=True)
             counts.append(counter.counts["reduce_scatter"])
-        queue.put((name, rank, num_groups, counts))
+        step2 = (
+            counter.counts["all_gather"],
+            counter.counts["all_reduce"],
+            counter.bytes["reduce_scatter"],
+            counter.bytes["all_gather"],
+        )
+        queue.put((name, rank, num_groups, counts, step2))
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument(
+        "--loss",
+        choices=("api", "torchtitan"),
+        default="api",
+        help="api: the chunked loss above (partial_backward where available); "
+        "torchtitan: torchtitan's ChunkedLossWrapper",
+    )
     args = parser.parse_args()
     schedules = args.schedules.split(",")
     ctx = mp.get_context("fork")
@@ -184,7 +221,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(
-                target=worker, args=(r, os.path.join(tmp, "store"), schedules, queue)
+                target=worker,
+                args=(r, os.path.join(tmp, "store"), schedules, args.loss, queue),
             )
             for r in range(4)
         ]
@@ -192,18 +230,27 @@ def main() -> None:
             p.start()
         results = collections.defaultdict(dict)
         for _ in range(4 * len(schedules)):
-            name, rank, num_groups, counts = queue.get(timeout=900)
-            results[name][rank] = (num_groups, counts)
+            name, rank, num_groups, counts, step2 = queue.get(timeout=900)
+            results[name][rank] = (num_groups, counts, step2)
         for p in procs:
             p.join()
-    variant = "partial_backward" if HAS_PARTIAL_BACKWARD else "plain inner backwards"
-    print(f"torch {torch.__version__} ({variant}): reduce-scatters per step, PP2 x FSDP2")
-    print("| schedule | rank | FSDP groups (minimum) | step 1 | step 2 |")
-    print("| --- | --- | --- | --- | --- |")
+    if args.loss == "torchtitan":
+        variant = "torchtitan ChunkedLossWrapper"
+    else:
+        variant = "partial_backward" if HAS_PARTIAL_BACKWARD else "plain inner backwards"
+    print(f"torch {torch.__version__} ({variant}): collectives per step, PP2 x FSDP2")
+    print(
+        "| schedule | rank | FSDP groups (minimum) | RS step 1 | RS step 2 "
+        "| AG step 2 | AR step 2 | bytes RS/AG step 2 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in schedules:
         for rank in sorted(results[name]):
-            num_groups, counts = results[name][rank]
-            print(f"| {name} | {rank} | {num_groups} | {counts[0]} | {counts[1]} |")
+            num_groups, counts, (ag, ar, rs_bytes, ag_bytes) = results[name][rank]
+            print(
+                f"| {name} | {rank} | {num_groups} | {counts[0]} | {counts[1]} "
+                f"| {ag} | {ar} | {rs_bytes / 1024:.1f}/{ag_bytes / 1024:.1f} KiB |"
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ PYTHON="${PYTHON:-python3}"
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PIP_CONSTRAINT || true
 if [[ -z "${PIP_FIND_LINKS:-}" && -d /root/wheelcache ]]; then export PIP_FIND_LINKS=/root/wheelcache; fi
-BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel)
+# expecttest: torch.testing._internal, which the shared CollectiveCounter
+# (test/distributed/fsdp_lifecycle_testing.py) imports
+BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel expecttest)
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -52,7 +54,7 @@ make_venv() {  # make_venv DIR
       "$v/bin/python" -m pip install -q "torch==2.15.0"
     fi
   fi
-  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel' 2>/dev/null; then
+  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel, expecttest' 2>/dev/null; then
     step "installing ${BENCH_REQS[*]} into $v"
     "$v/bin/python" -m pip install -q "${BENCH_REQS[@]}"
   fi
@@ -101,6 +103,8 @@ step "1. collectives per optimizer step (patched: methods a, b, d; merged with t
   --compare-dump "$B/dump-pristine" 2>&1 | filter
 step "1b. PP2 x FSDP2 reduce-scatters per step, chunked loss on the last stage (unpatched 2.15.0)"
 "$PRISTINE" tools/bench/pp_collectives.py 2>&1 | filter
+step "1b. PP2 x FSDP2, torchtitan's ChunkedLossWrapper as the loss (unpatched 2.15.0)"
+"$PRISTINE" tools/bench/pp_collectives.py --loss torchtitan 2>&1 | filter
 step "1b. PP2 x FSDP2 reduce-scatters per step (patched: partial_backward)"
 "$PATCHED" tools/bench/pp_collectives.py 2>&1 | filter
 step "2. step time (patched torch, same run)  [uptime: $(uptime | sed 's/.*load/load/')]"
