@@ -308,12 +308,18 @@ class PipelineBuild:
         labels = torch.randint(0, VOCAB, (DP * LOCAL_BATCH, SEQ), generator=gen)
         return tokens, labels
 
-    def step(self, step: int, *, finalize_gradients: bool = True) -> int:
-        """Run one pipeline step and the reference; return reduce-scatters."""
+    def schedule_inputs(self, step: int) -> tuple[tuple, dict]:
+        """This rank's ``(args, kwargs)`` for the schedule at ``step``."""
         tokens, labels = self.batch(step)
         local = slice(self.dp_rank * LOCAL_BATCH, (self.dp_rank + 1) * LOCAL_BATCH)
         args = (tokens[local],) if self.has_first else ()
         kwargs = {"target": labels[local]} if self.has_last else {}
+        return args, kwargs
+
+    def step(self, step: int, *, finalize_gradients: bool = True) -> int:
+        """Run one pipeline step and the reference; return reduce-scatters."""
+        tokens, labels = self.batch(step)
+        args, kwargs = self.schedule_inputs(step)
         losses: list[torch.Tensor] = []
         self.counter.reset()
         with self.counter.count():
@@ -541,9 +547,7 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         build.check_grads_and_update(self)
 
         tokens, labels = build.batch(10)
-        local = slice(build.dp_rank * LOCAL_BATCH, (build.dp_rank + 1) * LOCAL_BATCH)
-        args = (tokens[local],) if build.has_first else ()
-        kwargs = {"target": labels[local]} if build.has_last else {}
+        args, kwargs = build.schedule_inputs(10)
         losses: list[torch.Tensor] = []
         build.counter.reset()
         with build.counter.count():
