@@ -846,24 +846,18 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         self.assertEqual(model.get_fsdp_policy(), root_policy)
 
         if root_reshard_after_forward is None:
-            # An int the group has not used creates a mesh once, then it is
-            # reused
+            # An int the root was not built with is refused: making its
+            # post-forward mesh would be a collective
+            before = _snapshot(model)
             with _count_mesh_and_group_creation() as created:
-                model.set_fsdp_policy(int_policy)
-            self.assertGreaterEqual(created["mesh"], 1)
-            root_post_forward = root_group.post_forward_mesh_info
-            self.assertEqual(root_post_forward.shard_mesh_size, 2)
-            self.assertEqual(model.get_fsdp_policy(), int_policy)
-            with _count_mesh_and_group_creation() as created:
-                model.set_fsdp_policy(root_policy)
-                self.assertIsNone(root_group.post_forward_mesh_info)
-                with model.fsdp_policy(reshard_after_forward=2) as applied:
-                    self.assertEqual(applied, int_policy)
-                    self.assertIs(
-                        root_group.post_forward_mesh_info, root_post_forward
-                    )
+                with self.assertRaisesRegex(ValueError, "fully_shard"):
+                    model.set_fsdp_policy(int_policy)
+                with self.assertRaisesRegex(ValueError, "fully_shard"):
+                    with model.fsdp_policy(reshard_after_forward=2):
+                        pass
             self.assertEqual(created["mesh"], 0)
             self.assertEqual(created["group"], 0)
+            self._assert_same_snapshot(before, _snapshot(model), "refused int")
             self.assertIsNone(root_group.post_forward_mesh_info)
 
         # Normalisation: the shard mesh size reads True, 1 reads False
@@ -893,6 +887,133 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             model.named_parameters(), ref_model.parameters()
         ):
             self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
+
+    def test_runtime_int_refused_unless_built_with(self):
+        """
+        An ``int`` ``reshard_after_forward`` that a module was not built with
+        raises ``ValueError`` pointing to ``fully_shard`` before anything
+        changes, and creates no device mesh or process group. Revision 1
+        accepted it, creating a mesh, and the next forward raised
+        ``AssertionError`` since the ``FSDPParam``s kept their sharding.
+        """
+        mesh = init_device_mesh("cpu", (4,))
+        expected = r"fully_shard\(\.\.\., reshard_after_forward=2\)"
+        for built_with in (True, False, None):
+            torch.manual_seed(0)
+            model = _shard(Model(), mesh=mesh, reshard_after_forward=built_with)
+            block0 = model.body[0]
+            for lazy_init in (False, True):
+                where = f"built_with={built_with}, lazy_init={lazy_init}"
+                if lazy_init:
+                    _loss(model(torch.randn(4, DIM))).backward()
+                before = _snapshot(model)
+                policies = _policies(model)
+                body_ran = []
+                with _count_mesh_and_group_creation() as created:
+                    with self.assertRaisesRegex(ValueError, expected, msg=where):
+                        block0.set_fsdp_policy(
+                            dataclasses.replace(
+                                block0.get_fsdp_policy(), reshard_after_forward=2
+                            )
+                        )
+                    with self.assertRaisesRegex(ValueError, expected, msg=where):
+                        with model.fsdp_policy(recurse=True, reshard_after_forward=2):
+                            body_ran.append(where)
+                self.assertEqual(created["mesh"], 0, where)
+                self.assertEqual(created["group"], 0, where)
+                self.assertEqual(body_ran, [], where)
+                self.assertEqual(_policies(model), policies, where)
+                self._assert_same_snapshot(before, _snapshot(model), where)
+            # Training runs on after the refusals
+            _loss(model(torch.randn(4, DIM))).backward()
+
+    def test_runtime_int_end_to_end(self):
+        """
+        Blocks built with ``reshard_after_forward=2`` on a mesh of 4 switch at
+        runtime between 2, ``True``, ``False`` and ``None``, before forward and
+        between forward and backward: every ``FSDPParam`` follows its group,
+        the parameters after forward have the sharding of the policy in force,
+        no mesh or group is created, and several SGD steps match a
+        single-process reference.
+        """
+        mesh = init_device_mesh("cpu", (4,))
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        _shard(
+            model, mesh=mesh, reshard_after_forward=2, root_reshard_after_forward=None
+        )
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        blocks = list(model.body)
+        groups = [block._get_fsdp_state()._fsdp_param_groups[0] for block in blocks]
+        int_mesh_infos = [group.post_forward_mesh_info for group in groups]
+        # (policy in force for the forward, policy switched to before backward)
+        schedule = [(2, 2), (True, 2), (2, True), (False, 2), (2, False), (2, None)]
+        local_inputs = _local_inputs(self.rank, len(schedule), seed=3)
+        all_inputs = _all_inputs(local_inputs)
+        counter = CollectiveCounter()
+        for step, (forward_raf, backward_raf) in enumerate(schedule):
+            where = f"step {step}: {forward_raf} then {backward_raf}"
+            counter.reset()
+            with _count_mesh_and_group_creation() as created, counter.count():
+                for block in blocks:
+                    block.set_fsdp_policy(
+                        FSDPPolicy(reshard_after_forward=forward_raf)
+                    )
+                out = model(local_inputs[step])
+                for block, group, int_mesh_info in zip(blocks, groups, int_mesh_infos):
+                    weight = block.lin.weight
+                    if forward_raf is False:
+                        self.assertTrue(group.is_unsharded, where)
+                        self.assertEqual(weight.shape, (DIM, DIM), where)
+                    elif forward_raf == 2:
+                        self.assertTrue(group.is_sharded_post_forward, where)
+                        self.assertIs(group.post_forward_mesh_info, int_mesh_info)
+                        self.assertEqual(weight.device_mesh, int_mesh_info.mesh)
+                        self.assertEqual(weight.to_local().shape, (DIM // 2, DIM))
+                    else:
+                        self.assertTrue(group.is_sharded, where)
+                        self.assertEqual(weight.to_local().shape, (DIM // 4, DIM))
+                    for fsdp_param in group.fsdp_params:
+                        self.assertIs(
+                            fsdp_param.post_forward_mesh_info,
+                            group.post_forward_mesh_info,
+                            where,
+                        )
+                for block in blocks:
+                    block.set_fsdp_policy(
+                        FSDPPolicy(reshard_after_forward=backward_raf)
+                    )
+                for group in groups:
+                    for fsdp_param in group.fsdp_params:
+                        self.assertIs(
+                            fsdp_param.post_forward_mesh_info,
+                            group.post_forward_mesh_info,
+                            where,
+                        )
+                _loss(out).backward()
+            self.assertEqual(created["mesh"], 0, where)
+            self.assertEqual(created["group"], 0, where)
+            # Forward gathers the blocks and the root; backward re-gathers the
+            # blocks that forward resharded (the root keeps its parameters)
+            num_resharded = 0 if forward_raf is False else len(blocks)
+            self.assertEqual(counter["all_gather"], 3 + num_resharded, where)
+            self.assertEqual(counter["reduce_scatter"], 3, where)
+            ref_inp = torch.cat([inputs[step] for inputs in all_inputs])
+            _loss(ref_model(ref_inp)).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(
+                    param.grad.full_tensor(), ref_param.grad, msg=f"{where}: {name}"
+                )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+            self.assertEqual(param.full_tensor(), ref_param)
 
     def test_fully_shard_int_equal_to_mesh_size_reads_true(self):
         mesh = init_device_mesh("cpu", (4,))
