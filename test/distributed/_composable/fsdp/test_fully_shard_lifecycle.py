@@ -1035,5 +1035,139 @@ class TestFullyShardPartialBackwardLifecycle(
         self._assert_matches_reference(model, ref, "grad")
 
 
+class _CheckpointedTransformer(Transformer):
+    """
+    ``Transformer`` whose layers run under activation checkpointing (or not,
+    ``checkpointing=None``) and whose forward includes the head.
+    """
+
+    def __init__(self, checkpointing: str | None) -> None:
+        super().__init__(norm_in_forward=True)
+        self.checkpointing = checkpointing
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            if self.checkpointing is None:
+                h = layer(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, h, use_reentrant=self.checkpointing == "reentrant"
+                )
+        return self.lm_head(self.norm(h))
+
+
+class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
+    """
+    The evaluation bound on FSDP's bookkeeping is keyed on the iteration's
+    grad mode, so forwards without grad inside a training iteration record the
+    post-forward order as in 2.15.0; see [Note: FSDP evaluation bookkeeping].
+    """
+
+    # What 2.15.0 records for ``_CheckpointedTransformer`` with every layer and
+    # the root sharded: the post-forward order after the root forward, and the
+    # implicit backward prefetches (source -> target) of one backward. These
+    # are the same with and without checkpointing, and were measured on
+    # torch 2.15.0 without the patches for all three modes.
+    EXPECTED_ORDER = ["layers.0", "layers.1", "<root>"]
+    EXPECTED_PREFETCHES = [("<root>", "layers.1"), ("layers.1", "layers.0")]
+
+    def _make_model(self, checkpointing: str | None) -> _CheckpointedTransformer:
+        torch.manual_seed(42)
+        model = _CheckpointedTransformer(checkpointing)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def _train_step(
+        self, model: _CheckpointedTransformer, tokens, labels, recorder: _Recorder
+    ) -> list[str]:
+        """One iteration; returns the post-forward order after the forward."""
+        loss = _loss(model(tokens), labels)
+        order = [
+            _group_name(g) for g in model._get_fsdp_state()._comm_ctx.post_forward_order
+        ]
+        recorder.record_prefetches = True
+        loss.backward()
+        recorder.record_prefetches = False
+        return order
+
+    def test_checkpointing_records_post_forward_order(self):
+        """
+        Reentrant checkpointing runs each layer's forward under ``no_grad``
+        inside a grad-enabled root forward: the layers are recorded and the
+        backward prefetches as without checkpointing (revision 1 recorded only
+        the root and prefetched nothing). Parameters match the run without
+        checkpointing over several SGD steps.
+        """
+        tokens, labels = _make_data(self.rank)
+        params: dict[str | None, list[torch.Tensor]] = {}
+        for checkpointing in (None, "reentrant", "non_reentrant"):
+            model = self._make_model(checkpointing)
+            optim = torch.optim.SGD(model.parameters(), lr=LR)
+            recorder = _Recorder(model)
+            with recorder.record():
+                for step in range(NUM_MICROBATCHES):
+                    where = f"checkpointing={checkpointing}, step {step}"
+                    num_prefetches = len(recorder.prefetches)
+                    order = self._train_step(
+                        model, tokens[step], labels[step], recorder
+                    )
+                    self.assertEqual(order, self.EXPECTED_ORDER, where)
+                    prefetches = [
+                        (_group_name(source), _group_name(target))
+                        for source, target in recorder.prefetches[num_prefetches:]
+                    ]
+                    self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
+                    optim.step()
+                    optim.zero_grad()
+            params[checkpointing] = [p.detach().full_tensor() for p in model.parameters()]
+        for checkpointing in ("reentrant", "non_reentrant"):
+            for param, ref_param in zip(params[checkpointing], params[None]):
+                torch.testing.assert_close(param, ref_param, atol=ATOL, rtol=RTOL)
+
+    def test_no_grad_iterations_bounded(self):
+        """
+        200 ``no_grad`` evaluation iterations, after training and between a
+        training forward and its backward, leave the post-forward order as it
+        was, with and without checkpointing; the next backward prefetches as
+        usual.
+        """
+        tokens, labels = _make_data(self.rank)
+        for checkpointing in (None, "reentrant"):
+            model = self._make_model(checkpointing)
+            recorder = _Recorder(model)
+            comm_ctx = model._get_fsdp_state()._comm_ctx
+            with recorder.record():
+                self._train_step(model, tokens[0], labels[0], recorder)
+                with torch.no_grad():
+                    for it in range(200):
+                        model(tokens[it % NUM_MICROBATCHES])
+                        self.assertEqual(len(comm_ctx.post_forward_order), 0)
+                self.assertEqual(
+                    [len(g._post_forward_indices) for g in _param_groups(model)],
+                    [0] * 3,
+                )
+                # An evaluation between a training forward and its backward
+                loss = _loss(model(tokens[1]), labels[1])
+                with torch.no_grad():
+                    for it in range(200):
+                        model(tokens[it % NUM_MICROBATCHES])
+                order = [_group_name(g) for g in comm_ctx.post_forward_order]
+                self.assertEqual(order, self.EXPECTED_ORDER)
+                num_prefetches = len(recorder.prefetches)
+                recorder.record_prefetches = True
+                loss.backward()
+                recorder.record_prefetches = False
+                prefetches = [
+                    (_group_name(source), _group_name(target))
+                    for source, target in recorder.prefetches[num_prefetches:]
+                ]
+                self.assertEqual(prefetches, self.EXPECTED_PREFETCHES)
+                self.assertEqual(len(comm_ctx.post_forward_order), 0)
+
+
 if __name__ == "__main__":
     run_tests()
