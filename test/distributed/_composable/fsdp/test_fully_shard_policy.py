@@ -689,6 +689,93 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(counter["reduce_scatter"], num_groups)
         self._assert_same_snapshot(snapshot, _snapshot(model), "after training")
 
+    def test_is_last_backward_before_lazy_init(self):
+        """
+        ``fsdp_policy(is_last_backward=False)`` on a non-root module whose
+        first forward (lazy init) runs inside the scope: the root reads
+        ``False`` inside and its own value is back on exit, also when the root
+        had set another value and when scopes nest. Revision 1 wrote the value
+        to a state context that lazy init replaced, so the root read ``True``.
+        """
+        for root_value in (True, False):
+            torch.manual_seed(0)
+            model = _shard(Model())
+            block0, block1 = model.body
+            root_ctx = model._get_fsdp_state()._state_ctx
+            model.set_is_last_backward(root_value)
+            inp = torch.randn(4, DIM)
+            with block0.fsdp_policy(is_last_backward=False):
+                with block1.fsdp_policy(is_last_backward=True):
+                    out = model(inp)
+                    self.assertIs(block0._get_fsdp_state()._state_ctx, root_ctx)
+                    self.assertTrue(root_ctx.is_last_backward)
+                self.assertFalse(root_ctx.is_last_backward)
+                _loss(out).backward()
+                self.assertFalse(root_ctx.is_last_backward)
+            self.assertEqual(root_ctx.is_last_backward, root_value)
+            self.assertEqual(root_ctx.is_last_backward_stack, [])
+            # A scope without the keyword carries no value over
+            torch.manual_seed(0)
+            model = _shard(Model())
+            root_ctx = model._get_fsdp_state()._state_ctx
+            model.set_is_last_backward(root_value)
+            with model.body[0].fsdp_policy(reshard_after_backward=False):
+                _loss(model(inp)).backward()
+                self.assertEqual(root_ctx.is_last_backward, root_value)
+            self.assertEqual(root_ctx.is_last_backward, root_value)
+            self.assertEqual(root_ctx.is_last_backward_stack, [])
+
+    def test_reshard_keeps_unreduced_gradients(self):
+        """
+        The documented contract of ``FSDPModule.reshard``: resharding every
+        module between accumulating backwards (no gradient sync, parameters
+        kept unsharded after backward) keeps the unreduced gradients, and the
+        final, synchronized backward reduces them once with its own; over two
+        SGD steps, gradients and parameters match the reference.
+        """
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        _shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        groups = _groups(model)
+        counter = CollectiveCounter()
+        for step in range(2):
+            local_inputs = _local_inputs(self.rank, NUM_MICROBATCHES, seed=step)
+            all_inputs = _all_inputs(local_inputs)
+            counter.reset()
+            with counter.count():
+                for mb, inp in enumerate(local_inputs):
+                    if mb < NUM_MICROBATCHES - 1:
+                        with model.fsdp_policy(
+                            recurse=True,
+                            requires_gradient_sync=False,
+                            reshard_after_backward=False,
+                        ):
+                            _loss(model(inp)).backward()
+                        self.assertEqual(counter["reduce_scatter"], 0)
+                        self.assertTrue(all(g.is_unsharded for g in groups))
+                        for module in _fsdp_modules(model):
+                            module.reshard()
+                        self.assertTrue(all(g.is_sharded for g in groups))
+                    else:
+                        _loss(model(inp)).backward()
+            self.assertEqual(counter["reduce_scatter"], len(groups))
+            for mb in range(NUM_MICROBATCHES):
+                ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
+                _loss(ref_model(ref_inp)).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+            self.assertEqual(param.full_tensor(), ref_param)
+
     def test_default_behavior_unchanged(self):
         """
         Without the new API, training matches a single-process reference with
