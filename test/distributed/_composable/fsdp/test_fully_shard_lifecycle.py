@@ -1123,7 +1123,9 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
                     self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
                     optim.step()
                     optim.zero_grad()
-            params[checkpointing] = [p.detach().full_tensor() for p in model.parameters()]
+            params[checkpointing] = [
+                p.detach().full_tensor() for p in model.parameters()
+            ]
         for checkpointing in ("reentrant", "non_reentrant"):
             for param, ref_param in zip(params[checkpointing], params[None]):
                 torch.testing.assert_close(param, ref_param, atol=ATOL, rtol=RTOL)

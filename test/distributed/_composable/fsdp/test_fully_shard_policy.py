@@ -1045,9 +1045,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             counter.reset()
             with _count_mesh_and_group_creation() as created, counter.count():
                 for block in blocks:
-                    block.set_fsdp_policy(
-                        FSDPPolicy(reshard_after_forward=forward_raf)
-                    )
+                    block.set_fsdp_policy(FSDPPolicy(reshard_after_forward=forward_raf))
                 out = model(local_inputs[step])
                 for block, group, int_mesh_info in zip(blocks, groups, int_mesh_infos):
                     weight = block.lin.weight
