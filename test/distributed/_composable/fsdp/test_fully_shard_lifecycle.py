@@ -1035,6 +1035,72 @@ class TestFullyShardPartialBackwardLifecycle(
         self._assert_matches_reference(model, ref, "grad")
 
 
+class TestFullyShardChunkedLossIntReshard(
+    _LifecycleTestMixin, GlooMultiProcessTestCase
+):
+    """Chunked loss with ``reshard_after_forward`` given as an int."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_chunked_loss_int_reshard_after_forward(self):
+        """
+        Layers and the grouped ``[norm, lm_head]`` built with
+        ``reshard_after_forward=2`` on a mesh of 4. The root forward runs
+        ``norm``, so the head group is resharded to its 2-way post-forward mesh
+        when ``partial_backward`` switches the head to ``False``: the group
+        falls back to its full shards and the chunks all-gather on the full
+        mesh (revision 1 raised ``AssertionError`` in the first chunk's
+        all-gather). Gradients and
+        parameters match the reference over two SGD steps of accumulated
+        microbatches, and every policy is the caller's again.
+        """
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(42)
+        ref = Transformer(norm_in_forward=True)
+        model = copy.deepcopy(ref)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=2)
+        fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=2)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        policies = _policies(model)
+        self.assertEqual(policies["lm_head"], FSDPPolicy(reshard_after_forward=2))
+        head = _head_group(model)
+        for step in range(2):
+            tokens, labels = _make_data(self.rank + 100 * step)
+            for mb in range(NUM_MICROBATCHES):
+                with _microbatch_policy(model, "on", mb):
+                    h = model(tokens[mb])
+                    self.assertTrue(head.is_sharded_post_forward)
+                    h_chunks = [
+                        c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)
+                    ]
+                    with model.lm_head.partial_backward():
+                        self.assertTrue(head.is_sharded)
+                        for h_chunk, label_chunk in zip(
+                            h_chunks, labels[mb].chunk(NUM_CHUNKS, dim=1)
+                        ):
+                            logits = model.lm_head.finish_forward(model.head(h_chunk))
+                            _loss(logits, label_chunk).backward()
+                            self.assertTrue(head.is_unsharded)
+                    self.assertIs(
+                        head.post_forward_mesh_info,
+                        head.fsdp_params[0].post_forward_mesh_info,
+                    )
+                    h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+                self.assertEqual(_policies(model), policies)
+            self._reference_step(ref, tokens, labels)
+            self._assert_matches_reference(model, ref, "grad")
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+            self._assert_matches_reference(model, ref, "param")
+
+
 class _CheckpointedTransformer(Transformer):
     """
     ``Transformer`` whose layers run under activation checkpointing (or not,
