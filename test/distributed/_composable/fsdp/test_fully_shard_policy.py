@@ -24,12 +24,17 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
+from torch.distributed.fsdp import (
+    DataParallelMeshDims,
+    FSDPModule,
+    FSDPPolicy,
+    fully_shard,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_common import (
     FSDPMeshInfo,
     ShardPlacementResult,
 )
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor, DTensor, Replicate, Shard
 from torch.testing._internal.common_utils import run_tests, TestCase
 
 
@@ -1013,6 +1018,49 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 self._assert_same_snapshot(before, _snapshot(model), where)
             # Training runs on after the refusals
             _loss(model(torch.randn(4, DIM))).backward()
+
+    def test_runtime_int_refused_on_spmd_mesh(self):
+        """
+        ``fully_shard`` does not accept an ``int`` ``reshard_after_forward``
+        on an SPMD mesh (``dp_mesh_dims``); applying a policy follows the same
+        rule with ``ValueError``, creating no mesh and changing nothing.
+        Revision 1 accepted it and created a mesh.
+        """
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        dp_mesh_dims = DataParallelMeshDims(shard="dp")
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(3)])
+        for module in model:
+            for name, param in list(module.named_parameters()):
+                replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
+                setattr(module, name, nn.Parameter(replicated))
+        # ``fully_shard``'s rule, on a module left out of the model
+        with self.assertRaisesRegex(NotImplementedError, "SPMD mesh"):
+            fully_shard(
+                model[2], mesh=mesh, dp_mesh_dims=dp_mesh_dims, reshard_after_forward=2
+            )
+        model = model[:2]
+        fully_shard(model[0], mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+        for lazy_init in (False, True):
+            if lazy_init:
+                inp = DTensor.from_local(torch.randn(4, DIM), mesh, [Replicate()])
+                model(inp).sum().backward()
+            before = _snapshot(model)
+            with _count_mesh_and_group_creation() as created:
+                for value in (2, 4):
+                    with self.assertRaisesRegex(ValueError, "SPMD mesh"):
+                        model[0].set_fsdp_policy(
+                            FSDPPolicy(reshard_after_forward=value)
+                        )
+                    with self.assertRaisesRegex(ValueError, "SPMD mesh"):
+                        with model.fsdp_policy(
+                            recurse=True, reshard_after_forward=value
+                        ):
+                            pass
+            self.assertEqual(created["mesh"], 0)
+            self.assertEqual(created["group"], 0)
+            self._assert_same_snapshot(before, _snapshot(model), f"{lazy_init=}")
 
     def test_runtime_int_end_to_end(self):
         """
