@@ -149,8 +149,7 @@ def _freeze(value: Any, depth: int = 0) -> tuple:
     if type(value) in _CONTAINER_TYPES and depth < 4:
         if isinstance(value, dict):
             items = tuple(
-                (_freeze(k, depth + 1), _freeze(v, depth + 1))
-                for k, v in value.items()
+                (_freeze(k, depth + 1), _freeze(v, depth + 1)) for k, v in value.items()
             )
         elif isinstance(value, (set, frozenset)):
             items = tuple(sorted((_freeze(v, depth + 1) for v in value), key=repr))
@@ -1163,9 +1162,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         would touch, for ``set_fsdp_policy`` and ``fsdp_policy``.
         """
         mesh_1d = init_device_mesh("cpu", (4,))
-        mesh_2d = init_device_mesh(
-            "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
-        )
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         model = Model(num_blocks=3)
         # The last block shards over 2 (HSDP): 4 is valid for every other
@@ -1257,9 +1254,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         has no single policy: ``get_fsdp_policy`` raises ``ValueError``.
         """
         mesh_1d = init_device_mesh("cpu", (4,))
-        mesh_2d = init_device_mesh(
-            "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
-        )
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         head_mesh_info = FSDPMeshInfo(mesh_2d["shard"], shard_mesh_dim=0)
 
         def shard_placement_fn(param: nn.Parameter):
