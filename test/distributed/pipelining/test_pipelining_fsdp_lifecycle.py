@@ -528,8 +528,41 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         """
         policy = FSDPPolicy(requires_all_reduce=False)
         build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
-        self.assertEqual(build.step(0), build.num_groups)
+        with self.assertLogs("torch.distributed.pipelining.stage", "WARNING") as logs:
+            self.assertEqual(build.step(0), build.num_groups)
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            build.check_grads_and_update(self)
+            self.assertEqual(build.step(1), build.num_groups)
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            build.check_grads_and_update(self)
+        # Logged once, not on every step
+        self.assertEqual(
+            sum("requires_all_reduce=False" in line for line in logs.output), 1
+        )
+
+    def test_clear_runtime_states_restores_policy(self):
+        """
+        A gradient reduction left pending (e.g. by a failed step) is finished
+        by ``clear_runtime_states`` at the next step, which restores the
+        caller's policy exactly, HSDP's ``requires_all_reduce=False``
+        included; the next finalized step matches the reference.
+        """
+        policy = FSDPPolicy(requires_all_reduce=False, reshard_after_backward=False)
+        build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
+        self.assertEqual(build.step(0, finalize_gradients=False), 0)
+        for stage in build.stages:
+            stage.start_gradient_reduction()
+        self.assertNotEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        for stage in build.stages:
+            stage.clear_runtime_states()
         self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        for m in build.fsdp_modules:
+            self.assertFalse(m.has_pending_gradients())
+        # The reduction was not scaled by the number of microbatches: scale
+        # as the finalization would have, then compare with the reference
+        for param in build.params.values():
+            if param.grad is not None:
+                param.grad.div_(NUM_MICROBATCHES)
         build.check_grads_and_update(self)
         self.assertEqual(build.step(1), build.num_groups)
         self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
