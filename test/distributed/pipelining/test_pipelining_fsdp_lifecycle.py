@@ -450,52 +450,6 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         expected = [build.num_groups, build.num_groups, 0, build.num_groups]
         self.assertEqual(counts, expected, msg=f"{schedule_name} rank {self.rank}")
 
-    def test_metadata_inference_failure_then_retry(self):
-        """
-        A step whose metadata inference raises leaves the caller's policy and
-        no FSDP state behind; retrying it gives exactly the result of a clean
-        run, with one reduce-scatter per group.
-        """
-        self.run_subtests(
-            {"schedule_name": ["1f1b", "zbv"]}, self._test_failure_then_retry
-        )
-
-    def _test_failure_then_retry(self, schedule_name: str) -> None:
-        policy = FSDPPolicy(reshard_after_backward=False)
-        clean = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
-        self.assertEqual(clean.step(0), clean.num_groups)
-        clean_grads = {
-            name: param.grad.full_tensor() for name, param in clean.params.items()
-        }
-
-        build = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
-        if build.has_first:
-            # The first layer of stage 0 raises in its first forward (after
-            # FSDP unsharded it): the probe forward of metadata inference,
-            # which runs before any pipeline communication. Every rank holding
-            # stage 0 fails there; the other ranks wait for the retry in their
-            # first receive.
-            def fail_once(module, args):
-                handle.remove()
-                raise RuntimeError("injected metadata inference failure")
-
-            handle = build.stage_mods[0].layers["0"].register_forward_pre_hook(
-                fail_once
-            )
-            with self.assertRaisesRegex(RuntimeError, "injected"):
-                build.step(0)
-            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-            for stage_mod in build.stage_mods.values():
-                self.assertEqual(pending_fsdp_state(stage_mod), [])
-        self.assertEqual(build.step(0), build.num_groups)
-        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-        for name, param in build.params.items():
-            self.assertEqual(
-                param.grad.full_tensor(), clean_grads[name], atol=0, rtol=0, msg=name
-            )
-        self._check_loss(build)
-        build.check_grads_and_update(self)
-
     def test_unreduced_group_is_scaled_by_the_reducing_finalization(self):
         """
         A finalized step whose restored policy has requires_gradient_sync=False
@@ -539,63 +493,6 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         self.assertEqual(
             sum("requires_all_reduce=False" in line for line in logs.output), 1
         )
-
-    def test_zero_bubble_weight_gradients_reshard_after_forward(self):
-        """
-        Reproducer of a 2.15.0 bug: with a zero-bubble schedule (split input
-        and weight backward), FSDP stages whose layers reshard after forward
-        (the default) and a plain loss, every gradient equals the reference
-        over several optimizer steps (2.15.0 skipped the resharded layers'
-        weights in the weight backward).
-        """
-        torch.manual_seed(0)
-        ref_model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
-        model = copy.deepcopy(ref_model)
-        mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
-        pp_rank = mesh["pp"].get_local_rank()
-        dp_rank = mesh["dp"].get_local_rank()
-        stages, params = [], {}
-        for stage_index in (pp_rank, 3 - pp_rank):  # V-shape placement
-            stage_mod = nn.Sequential(model[stage_index])
-            fully_shard(stage_mod[0], mesh=mesh["dp"])
-            fully_shard(stage_mod, mesh=mesh["dp"])
-            params.update(
-                (f"{stage_index}.{name[2:]}", p)
-                for name, p in stage_mod.named_parameters()
-            )
-            stages.append(
-                PipelineStage(
-                    stage_mod, stage_index, 4, torch.device("cpu"),
-                    group=mesh["pp"].get_group(),
-                )
-            )
-        stages.sort(key=lambda stage: stage.stage_index)
-        schedule = ScheduleZBVZeroBubble(
-            stages, n_microbatches=NUM_MICROBATCHES, loss_fn=nn.MSELoss()
-        )
-        optim = torch.optim.SGD(params.values(), lr=LR)
-        ref_params = dict(ref_model.named_parameters())
-        ref_optim = torch.optim.SGD(ref_params.values(), lr=LR)
-        for step in range(2):
-            gen = torch.Generator().manual_seed(step)
-            x = torch.randn(DP * LOCAL_BATCH, DIM, generator=gen)
-            y = torch.randn(DP * LOCAL_BATCH, DIM, generator=gen)
-            local = slice(dp_rank * LOCAL_BATCH, (dp_rank + 1) * LOCAL_BATCH)
-            if pp_rank == 0:  # holds stages 0 and 3
-                schedule.step(x[local], target=y[local])
-            else:
-                schedule.step()
-            nn.functional.mse_loss(ref_model(x), y).backward()
-            for name, param in params.items():
-                self.assertIsNotNone(param.grad, msg=f"step {step} {name}")
-                self.assertEqual(
-                    param.grad.full_tensor(), ref_params[name].grad,
-                    msg=f"step {step} {name}",
-                )
-            optim.step()
-            ref_optim.step()
-            optim.zero_grad()
-            ref_optim.zero_grad()
 
     def test_clear_runtime_states_restores_policy(self):
         """
