@@ -11,6 +11,7 @@ World 4 = PP2 x FSDP2 (or PP2 x HSDP(1, 2)), gloo on CPU.
 
 import contextlib
 import copy
+import datetime
 import os
 import sys
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -343,8 +345,6 @@ class PipelineBuild:
     def check_grads_and_update(self, test) -> None:
         """Compare gradients with the reference, step both optimizers, compare
         parameters and zero the gradients."""
-        for m in self.fsdp_modules:
-            m.reshard()  # before reading or updating the sharded parameters
         ref_params = dict(self.ref_model.named_parameters())
         for name, param in self.params.items():
             if not param.requires_grad:
@@ -397,6 +397,7 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
                 ],
                 "head": ["separate", "grouped"],
                 "hsdp": [False, True],
+                "reshard_after_backward": [False, True],
             },
             self._test_parity,
         )
@@ -418,10 +419,18 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         )
 
     def _test_parity(
-        self, schedule_name: str, head: str, hsdp: bool, frozen_decoder: bool = False
+        self,
+        schedule_name: str,
+        head: str,
+        hsdp: bool,
+        frozen_decoder: bool = False,
+        reshard_after_backward: bool = False,
     ) -> None:
-        # A caller policy that 2.15.0's finalization overwrote
-        policy = FSDPPolicy(reshard_after_backward=False)
+        # reshard_after_backward=False is a caller policy that 2.15.0's
+        # finalization overwrote; a finalized step must still reshard every
+        # group after its reduction, or the step after optimizer.step() would
+        # compute with the pre-optimizer unsharded parameters
+        policy = FSDPPolicy(reshard_after_backward=reshard_after_backward)
         build = PipelineBuild(
             self.rank, schedule_name, head, hsdp, policy, frozen_decoder
         )
@@ -440,56 +449,6 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         build.check_grads_and_update(self)
         expected = [build.num_groups, build.num_groups, 0, build.num_groups]
         self.assertEqual(counts, expected, msg=f"{schedule_name} rank {self.rank}")
-
-    def test_metadata_inference_failure_then_retry(self):
-        """
-        A step whose metadata inference raises leaves the caller's policy and
-        no FSDP state behind; retrying it gives exactly the result of a clean
-        run, with one reduce-scatter per group.
-        """
-        self.run_subtests(
-            {"schedule_name": ["1f1b", "zbv"]}, self._test_failure_then_retry
-        )
-
-    def _test_failure_then_retry(self, schedule_name: str) -> None:
-        policy = FSDPPolicy(reshard_after_backward=False)
-        clean = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
-        self.assertEqual(clean.step(0), clean.num_groups)
-        for m in clean.fsdp_modules:
-            m.reshard()
-        clean_grads = {
-            name: param.grad.full_tensor() for name, param in clean.params.items()
-        }
-
-        build = PipelineBuild(self.rank, schedule_name, "grouped", False, policy)
-        if build.has_first:
-            # The first layer of stage 0 raises in its first forward (after
-            # FSDP unsharded it): the probe forward of metadata inference,
-            # which runs before any pipeline communication. Every rank holding
-            # stage 0 fails there; the other ranks wait for the retry in their
-            # first receive.
-            def fail_once(module, args):
-                handle.remove()
-                raise RuntimeError("injected metadata inference failure")
-
-            handle = build.stage_mods[0].layers["0"].register_forward_pre_hook(
-                fail_once
-            )
-            with self.assertRaisesRegex(RuntimeError, "injected"):
-                build.step(0)
-            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-            for stage_mod in build.stage_mods.values():
-                self.assertEqual(pending_fsdp_state(stage_mod), [])
-        self.assertEqual(build.step(0), build.num_groups)
-        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-        for m in build.fsdp_modules:
-            m.reshard()
-        for name, param in build.params.items():
-            self.assertEqual(
-                param.grad.full_tensor(), clean_grads[name], atol=0, rtol=0, msg=name
-            )
-        self._check_loss(build)
-        build.check_grads_and_update(self)
 
     def test_unreduced_group_is_scaled_by_the_reducing_finalization(self):
         """
@@ -523,8 +482,41 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         """
         policy = FSDPPolicy(requires_all_reduce=False)
         build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
-        self.assertEqual(build.step(0), build.num_groups)
+        with self.assertLogs("torch.distributed.pipelining.stage", "WARNING") as logs:
+            self.assertEqual(build.step(0), build.num_groups)
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            build.check_grads_and_update(self)
+            self.assertEqual(build.step(1), build.num_groups)
+            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+            build.check_grads_and_update(self)
+        # Logged once, not on every step
+        self.assertEqual(
+            sum("requires_all_reduce=False" in line for line in logs.output), 1
+        )
+
+    def test_clear_runtime_states_restores_policy(self):
+        """
+        A gradient reduction left pending (e.g. by a failed step) is finished
+        by ``clear_runtime_states`` at the next step, which restores the
+        caller's policy exactly, HSDP's ``requires_all_reduce=False``
+        included; the next finalized step matches the reference.
+        """
+        policy = FSDPPolicy(requires_all_reduce=False, reshard_after_backward=False)
+        build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
+        self.assertEqual(build.step(0, finalize_gradients=False), 0)
+        for stage in build.stages:
+            stage.start_gradient_reduction()
+        self.assertNotEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        for stage in build.stages:
+            stage.clear_runtime_states()
         self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
+        for m in build.fsdp_modules:
+            self.assertFalse(m.has_pending_gradients())
+        # The reduction was not scaled by the number of microbatches: scale
+        # as the finalization would have, then compare with the reference
+        for param in build.params.values():
+            if param.grad is not None:
+                param.grad.div_(NUM_MICROBATCHES)
         build.check_grads_and_update(self)
         self.assertEqual(build.step(1), build.num_groups)
         self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
@@ -555,11 +547,10 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         self.assertEqual(build.counter["reduce_scatter"], 0)
         for stage_mod in build.stage_mods.values():
             self.assertEqual(pending_fsdp_state(stage_mod), [])
-            for m in stage_mod.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
             for param in stage_mod.parameters():
                 self.assertIsNone(param.grad)
+        for param in build.params.values():
+            self.assertIsNone(param.grad)
         self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
         if build.has_last:
             with torch.no_grad():
@@ -582,6 +573,239 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         self.assertEqual(build.step(2), build.num_groups)
         self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
         build.check_grads_and_update(self)
+
+
+class TestPipeliningFSDPDataParallelSteps(GlooMultiProcessTestCase):
+    """
+    One pipeline stage per rank and two data-parallel ranks: the smallest
+    setting where a finalized step must leave every FSDP group resharded.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_finalized_step_reshards_for_next_forward(self):
+        """
+        With the caller's ``reshard_after_backward`` False or True, a finalized
+        step reshards every group after its reduction and restores the policy:
+        after ``optimizer.step()`` the next forward all-gathers the updated
+        parameters. Forward outputs, losses and parameters equal a
+        single-process reference after each of several steps, and each step
+        reduce-scatters every group once.
+        """
+        self.run_subtests(
+            {
+                "schedule_cls": [ScheduleGPipe, Schedule1F1B],
+                "reshard_after_backward": [False, True],
+            },
+            self._test_finalized_step_reshards,
+        )
+
+    def _test_finalized_step_reshards(
+        self, schedule_cls: type, reshard_after_backward: bool
+    ) -> None:
+        torch.manual_seed(0)
+        ref_model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+        model = copy.deepcopy(ref_model)
+        mesh = init_device_mesh("cpu", (1, self.world_size), mesh_dim_names=("pp", "dp"))
+        fully_shard(model[0], mesh=mesh["dp"])
+        fully_shard(model[2], mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        model.set_reshard_after_backward(reshard_after_backward)
+        policies = [m.get_fsdp_policy() for m in (model, model[0], model[2])]
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+        schedule = schedule_cls(stage, n_microbatches=2, loss_fn=nn.MSELoss())
+        # The sharded parameters, taken before any forward
+        params = dict(model.named_parameters())
+        optim = torch.optim.SGD(params.values(), lr=LR)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=LR)
+        counter = CollectiveCounter()
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(2 * self.world_size * 2, DIM, generator=gen)
+            y = torch.randn(2 * self.world_size * 2, DIM, generator=gen)
+            local = x.chunk(self.world_size)[self.rank], y.chunk(self.world_size)[self.rank]
+            losses: list[torch.Tensor] = []
+            counter.reset()
+            with counter.count():
+                schedule.step(local[0], target=local[1], losses=losses)
+            msg = f"step {step}"
+            # One reduce-scatter per group (the two Linears; the root has no
+            # parameters of its own)
+            self.assertEqual(counter["reduce_scatter"], 2, msg=msg)
+            self.assertEqual(
+                [m.get_fsdp_policy() for m in (model, model[0], model[2])],
+                policies,
+                msg=msg,
+            )
+            ref_loss = nn.functional.mse_loss(ref_model(x), y)
+            ref_loss.backward()
+            loss = torch.stack(losses).mean().detach()
+            dist.all_reduce(loss)
+            self.assertEqual(loss / self.world_size, ref_loss, msg=msg)
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad(set_to_none=True)
+            ref_optim.zero_grad(set_to_none=True)
+            for (name, param), ref_param in zip(
+                params.items(), ref_model.parameters()
+            ):
+                self.assertEqual(param.full_tensor(), ref_param, msg=f"{msg} {name}")
+            # The next forward computes with the updated parameters
+            with torch.no_grad():
+                self.assertEqual(model(x), ref_model(x), msg=msg)
+
+
+class Head(nn.Module):
+    """A last-stage module whose ``lm_head`` only the loss function runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class TestPipeliningFSDPMetadataInference(GlooMultiProcessTestCase):
+    """
+    Two stages on two ranks (PP2, FSDP on one rank each): what dynamic
+    metadata inference leaves behind in FSDP, and its errors. The pipeline
+    group has a short timeout, so a rank left waiting fails the test quickly
+    instead of hanging.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _build(self, ignored_head: bool = False):
+        torch.manual_seed(0)
+        ref = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()), Head()])
+        stage_mod = copy.deepcopy(ref[self.rank])
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+        pp_group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+        if self.rank == 0:
+            fully_shard(stage_mod[0], mesh=mesh["dp"])
+            fully_shard(stage_mod, mesh=mesh["dp"])
+        else:
+            fully_shard(stage_mod.lin, mesh=mesh["dp"])
+            fully_shard(
+                stage_mod,
+                mesh=mesh["dp"],
+                ignored_params=set(stage_mod.lm_head.parameters())
+                if ignored_head
+                else None,
+            )
+        stage = PipelineStage(stage_mod, self.rank, 2, torch.device("cpu"), group=pp_group)
+        head = ref[1].lm_head if self.rank == 0 else stage_mod.lm_head
+
+        def loss_fn(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # Runs the head's backward itself, like a chunked loss
+            h_detached = h.detach().requires_grad_(h.requires_grad)
+            loss = F.cross_entropy(head(h_detached), target)
+            if not torch.is_grad_enabled():
+                return loss
+            loss.backward()
+            return (h * h_detached.grad).sum() - (h * h_detached.grad).sum().detach() + loss.detach()
+
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
+        return ref, stage_mod, schedule
+
+    def _inputs(self, step: int):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(4, DIM, generator=gen)
+        y = torch.randint(0, VOCAB, (4,), generator=gen)
+        return x, y
+
+    def _step(self, schedule, step: int):
+        x, y = self._inputs(step)
+        if self.rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+
+    def _ref_grads(self, ref: nn.Module, steps: list[int]) -> dict[str, torch.Tensor]:
+        ref.zero_grad(set_to_none=True)
+        for step in steps:
+            x, y = self._inputs(step)
+            F.cross_entropy(ref[1].lm_head(ref[1](ref[0](x))), y).backward()
+        return {name: p.grad for name, p in ref[self.rank].named_parameters()}
+
+    def test_probe_gradients_on_ignored_params_cleared(self):
+        """
+        A loss that runs the head's backward itself, with the head's
+        parameters in ``ignored_params``: after the first step (which runs
+        metadata inference) every gradient, the head's included, equals the
+        step's own gradient.
+        """
+        ref, stage_mod, schedule = self._build(ignored_head=True)
+        params = dict(stage_mod.named_parameters())
+        self._step(schedule, 0)
+        for name, ref_grad in self._ref_grads(ref, [0]).items():
+            grad = params[name].grad
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            self.assertEqual(grad, ref_grad, msg=name)
+
+    def test_pending_gradients_raise_on_every_rank(self):
+        """
+        Metadata inference would discard FSDP gradients that only rank 1
+        holds (backward outside the schedule under no-sync): every rank raises
+        the same error without waiting for the other, nothing changes, and
+        after ``reset_iter_state`` the step runs and matches the reference.
+        """
+        ref, stage_mod, schedule = self._build()
+        if self.rank == 1:
+            stage_mod.set_requires_gradient_sync(False)
+            stage_mod(torch.randn(2, DIM)).sum().backward()
+            stage_mod.set_requires_gradient_sync(True)
+        with self.assertRaisesRegex(RuntimeError, "would discard FSDP gradients"):
+            self._step(schedule, 0)
+        self.assertEqual(stage_mod.has_pending_gradients(), self.rank == 1)
+        if self.rank == 1:
+            stage_mod.reset_iter_state()
+        params = dict(stage_mod.named_parameters())
+        self._step(schedule, 0)
+        for name, ref_grad in self._ref_grads(ref, [0]).items():
+            self.assertEqual(params[name].grad.full_tensor(), ref_grad, msg=name)
+
+    def test_non_root_stage_module_keeps_original_error(self):
+        """
+        A stage module that is not the FSDP root (its parent was sharded and
+        ran forward first): when metadata inference fails, the user sees the
+        original error, not one from resetting FSDP; eval then works.
+        """
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        stage_mod = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        outer = nn.Sequential(stage_mod)
+        fully_shard(stage_mod[0], mesh=mesh)
+        fully_shard(stage_mod, mesh=mesh)
+        fully_shard(outer, mesh=mesh)
+        with torch.no_grad():
+            outer(torch.randn(2, DIM))
+        pp_group = dist.new_group([self.rank])
+        stage = PipelineStage(stage_mod, 0, 1, torch.device("cpu"), group=pp_group)
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.MSELoss())
+
+        def fail(module, args):
+            raise RuntimeError("injected forward failure")
+
+        handle = stage_mod[1].register_forward_pre_hook(fail)
+        x = torch.randn(4, DIM)
+        with self.assertRaisesRegex(RuntimeError, "injected forward failure"):
+            schedule.eval(x, target=x)
+        handle.remove()
+        losses: list[torch.Tensor] = []
+        schedule.eval(x, target=x, losses=losses)
+        with torch.no_grad():
+            self.assertEqual(
+                torch.stack(losses).mean(),
+                nn.functional.mse_loss(outer(x), x),
+            )
 
 
 if __name__ == "__main__":
