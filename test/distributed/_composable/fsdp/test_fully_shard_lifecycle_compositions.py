@@ -20,16 +20,15 @@ the caller's again.
 import collections
 import contextlib
 import copy
-import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
@@ -83,6 +82,11 @@ class FeedForward(nn.Module):
 class LMHead(nn.Linear):
     """The output projection, with a second entry point for one loss chunk."""
 
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # Defined here rather than inherited: ``torch.compile`` does not
+        # compile ``torch.nn`` module code as a frame of its own, only user code
+        return F.linear(h, self.weight, self.bias)
+
     def chunk_logits(self, h: torch.Tensor) -> torch.Tensor:
         # Reads the parameters directly: FSDP only all-gathers them around
         # this method once it is registered with ``register_fsdp_forward_method``
@@ -128,7 +132,8 @@ def _make_models(
     layout: str = "grouped",
     checkpointing: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    compile_blocks: bool = False,
+    compile_backend: Any = None,
+    compile_head: bool = False,
     head_reshard_after_forward: bool | None = None,
     root_reshard_after_forward: bool | None = None,
     tp_mesh: DeviceMesh | None = None,
@@ -138,6 +143,9 @@ def _make_models(
     parallelism on ``tp_mesh`` if given) and an unsharded copy. ``checkpointing``
     is ``"reentrant"``/``"non_reentrant"`` (``torch.utils.checkpoint`` around
     each FSDP block) or ``"wrapper"`` (``checkpoint_wrapper`` inside it).
+    ``compile_backend`` compiles each block (and ``lm_head`` if
+    ``compile_head``) with ``module.compile`` before ``fully_shard``, as
+    torchtitan does.
     """
     torch.manual_seed(42)
     ref = Transformer()
@@ -159,9 +167,11 @@ def _make_models(
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for layer in model.layers:
-        if compile_blocks:
-            layer.compile(backend="aot_eager")
+        if compile_backend is not None:
+            layer.compile(backend=compile_backend)
         fully_shard(layer, **kwargs)
+    if compile_head:
+        model.lm_head.compile(backend=compile_backend)
     head_modules = [model.get_submodule(n) for n in HEAD_LAYOUTS[layout]]
     fully_shard(
         head_modules if len(head_modules) > 1 else head_modules[0],
@@ -318,7 +328,8 @@ def _relative_errors(model: nn.Module, ref: nn.Module) -> dict[str, float]:
         model.named_parameters(), ref.parameters(), strict=True
     ):
         grad, ref_grad = _full_grad(param), ref_param.grad
-        assert grad is not None and ref_grad is not None, name
+        if grad is None or ref_grad is None:
+            raise AssertionError(f"{name} has no gradient")
         errors[name] = ((grad.float() - ref_grad).norm() / ref_grad.norm()).item()
     return errors
 
@@ -329,9 +340,7 @@ class _CompositionTestMixin:
     def _mesh(self) -> DeviceMesh:
         return init_device_mesh("cpu", (self.world_size,))
 
-    def _reference_backward(
-        self, ref: Transformer, step: int, dp_size: int
-    ) -> None:
+    def _reference_backward(self, ref: Transformer, step: int, dp_size: int) -> None:
         """Accumulates every data parallel rank's microbatches into ``ref``."""
         for dp_rank in range(dp_size):
             tokens, labels = _make_data(step, dp_rank)
@@ -464,9 +473,7 @@ class TestFullyShardChunkedLossCompositions(
         the chunked loss's gradient error against an fp32 reference is no
         worse than a non-chunked run's of the same bf16 model.
         """
-        self.run_subtests(
-            {"layout": list(HEAD_LAYOUTS)}, self._test_mixed_precision
-        )
+        self.run_subtests({"layout": list(HEAD_LAYOUTS)}, self._test_mixed_precision)
 
     def _test_mixed_precision(self, layout: str):
         mesh = self._mesh()
@@ -489,16 +496,26 @@ class TestFullyShardChunkedLossCompositions(
                     self.assertEqual(param.grad.dtype, torch.float32, name)
             errors = _relative_errors(model, ref)
             baseline_errors = _relative_errors(baseline, ref)
-            # bf16 rounding makes both errors about 1e-3; the chunked loss may
-            # round in a different order (per-chunk logits and head
-            # gradients), so allow 10% relative slack on the worst parameter
+            msg = f"step {step}: chunked {errors} vs non-chunked {baseline_errors}"
+            # bf16 rounding puts both relative errors near 1e-2. The chunked
+            # loss rounds in another order (per-chunk logits, head gradients
+            # summed over chunks), so allow 10% relative slack: measured, the
+            # chunked error is at most 1.02x the non-chunked one, and 1.2x on
+            # lm_head if the head accumulated its chunk gradients in bf16.
+            # Before the first optimizer step both models hold the same
+            # parameters, so compare each parameter; later steps compare the
+            # worst parameter, as each model has drifted on its own
+            if step == 0:
+                for name, error in errors.items():
+                    self.assertLessEqual(
+                        error, 1.1 * baseline_errors[name], f"{name}: {msg}"
+                    )
             self.assertLessEqual(
-                max(errors.values()),
-                1.1 * max(baseline_errors.values()),
-                f"step {step}: chunked {errors} vs non-chunked {baseline_errors}",
+                max(errors.values()), 1.1 * max(baseline_errors.values()), msg
             )
-            # Not trivially satisfied: both are bf16-accurate, not fp32-exact
-            self.assertLess(max(baseline_errors.values()), 5e-2)
+            # Not trivially satisfied: bf16-accurate, not fp32-exact
+            self.assertGreater(min(baseline_errors.values()), 1e-4, msg)
+            self.assertLess(max(baseline_errors.values()), 5e-2, msg)
             for optim in optims:
                 optim.step()
                 optim.zero_grad()
@@ -537,9 +554,7 @@ class TestFullyShardChunkedLossCompositions(
         """
         self._test_activation_checkpointing_prefetch_parity("reentrant")
 
-    def _test_activation_checkpointing_prefetch_parity(
-        self, checkpointing: str | None
-    ):
+    def _test_activation_checkpointing_prefetch_parity(self, checkpointing: str | None):
         model, ref = _make_models(
             self._mesh(), layout="separate", checkpointing=checkpointing
         )
@@ -574,9 +589,33 @@ class TestFullyShardChunkedLossCompositions(
                 opt.zero_grad()
 
     def test_compile_blocks(self):
-        """Per-block ``torch.compile`` (``aot_eager``) with the chunked loss."""
-        model, ref = _make_models(self._mesh(), compile_blocks=True)
+        """
+        Per-block ``torch.compile`` (``aot_eager``) with the chunked loss, with
+        the head compiled too or left eager.
+        """
+        self.run_subtests(
+            {"layout": list(HEAD_LAYOUTS), "compile_head": [False, True]},
+            self._test_compile_blocks,
+        )
+
+    def _test_compile_blocks(self, layout: str, compile_head: bool):
+        torch._dynamo.reset()
+        backend = CompileCounterWithBackend("aot_eager")
+        model, ref = _make_models(
+            self._mesh(),
+            layout=layout,
+            compile_backend=backend,
+            compile_head=compile_head,
+        )
         self._train_and_compare(model, ref, dp_rank=self.rank, dp_size=self.world_size)
+        # The blocks (and the head) ran compiled graphs
+        self.assertGreater(backend.frame_count, 0)
+        graph_targets = [
+            node.target for graph in backend.graphs for node in graph.graph.nodes
+        ]
+        self.assertIn(torch.tanh, graph_targets)
+        if compile_head:
+            self.assertGreater(backend.frame_count, 1)
 
     def test_no_reshard_after_forward(self):
         """``reshard_after_forward=False`` on the head group, the root or both."""
@@ -696,7 +735,9 @@ class TestFullyShardChunkedLossTensorParallel(
         dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
         model, ref = _make_models(dp_mesh, layout=layout, tp_mesh=tp_mesh)
         for name, param in model.named_parameters():
-            self.assertEqual(param.device_mesh.ndim, 2 if "lm_head" in name or "layers" in name else 1, name)
+            # Tensor parallel parameters are sharded on both mesh dimensions
+            is_tp = name.startswith(("layers.", "lm_head."))
+            self.assertEqual(param.device_mesh.ndim, 2 if is_tp else 1, name)
         self._train_and_compare(
             model,
             ref,
