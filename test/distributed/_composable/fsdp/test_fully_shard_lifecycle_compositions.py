@@ -137,6 +137,8 @@ def _make_models(
     head_reshard_after_forward: bool | None = None,
     root_reshard_after_forward: bool | None = None,
     tp_mesh: DeviceMesh | None = None,
+    head_mp_policy: MixedPrecisionPolicy | None = None,
+    frozen_decoder: bool = False,
 ) -> tuple[Transformer, Transformer]:
     """
     Returns ``(model, ref)``: the model with FSDP on ``mesh`` (and tensor
@@ -145,10 +147,17 @@ def _make_models(
     each FSDP block) or ``"wrapper"`` (``checkpoint_wrapper`` inside it).
     ``compile_backend`` compiles each block (and ``lm_head`` if
     ``compile_head``) with ``module.compile`` before ``fully_shard``, as
-    torchtitan does.
+    torchtitan does. ``head_mp_policy`` overrides ``mp_policy`` for the head
+    group. ``frozen_decoder`` trains only the head group's parameters.
     """
     torch.manual_seed(42)
     ref = Transformer()
+    if frozen_decoder:
+        head_params = {
+            p for n in HEAD_LAYOUTS[layout] for p in ref.get_submodule(n).parameters()
+        }
+        for param in ref.parameters():
+            param.requires_grad_(param in head_params)
     model = copy.deepcopy(ref)
     if tp_mesh is not None:
         for layer in model.layers:
@@ -173,10 +182,13 @@ def _make_models(
     if compile_head:
         model.lm_head.compile(backend=compile_backend)
     head_modules = [model.get_submodule(n) for n in HEAD_LAYOUTS[layout]]
+    head_kwargs = dict(kwargs)
+    if head_mp_policy is not None:
+        head_kwargs["mp_policy"] = head_mp_policy
     fully_shard(
         head_modules if len(head_modules) > 1 else head_modules[0],
         reshard_after_forward=head_reshard_after_forward,
-        **kwargs,
+        **head_kwargs,
     )
     fully_shard(model, reshard_after_forward=root_reshard_after_forward, **kwargs)
     return model, ref
@@ -258,26 +270,37 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ) / (BATCH_SIZE * SEQ_LEN * NUM_MICROBATCHES)
 
 
+def _check_dtype(logits: torch.Tensor, dtype: torch.dtype | None) -> None:
+    if dtype is not None and logits.dtype != dtype:
+        raise AssertionError(f"Expected {dtype} logits, got {logits.dtype}")
+
+
 def _chunked_loss_step(
     model: Transformer,
     tokens: torch.Tensor,
     labels: torch.Tensor,
     head: Callable[[torch.Tensor], Any],
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """
     One microbatch of the chunked loss: root forward, one head-only backward
-    per chunk inside ``partial_backward``, then the decoder backward.
+    per chunk inside ``partial_backward``, then the decoder backward (none
+    with a frozen decoder, whose hidden state requires no gradient).
     """
     h = model(tokens)
-    h_chunks = [c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)]
+    h_chunks = [
+        c.detach().requires_grad_(h.requires_grad) for c in h.chunk(NUM_CHUNKS, dim=1)
+    ]
     total_loss = torch.zeros(())
-    with model.lm_head.partial_backward():
+    with model.lm_head.partial_backward(outer_backward=h.requires_grad):
         for h_chunk, label_chunk in zip(h_chunks, labels.chunk(NUM_CHUNKS, dim=1)):
             logits = model.lm_head.finish_forward(head(h_chunk))
+            _check_dtype(logits, logits_dtype)
             loss = _loss(logits, label_chunk)
             loss.backward()
             total_loss += loss.detach()
-    h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+    if h.requires_grad:
+        h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
     return total_loss
 
 
@@ -286,9 +309,11 @@ def _full_loss_step(
     tokens: torch.Tensor,
     labels: torch.Tensor,
     head: Callable[[torch.Tensor], Any],
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The non-chunked microbatch: full logits in one backward."""
     logits = model.lm_head.finish_forward(head(model(tokens)))
+    _check_dtype(logits, logits_dtype)
     loss = _loss(logits, labels)
     loss.backward()
     return loss.detach()
@@ -328,8 +353,10 @@ def _relative_errors(model: nn.Module, ref: nn.Module) -> dict[str, float]:
         model.named_parameters(), ref.parameters(), strict=True
     ):
         grad, ref_grad = _full_grad(param), ref_param.grad
+        if (grad is None) != (ref_grad is None):
+            raise AssertionError(f"{name}: gradient {grad} vs reference {ref_grad}")
         if grad is None or ref_grad is None:
-            raise AssertionError(f"{name} has no gradient")
+            continue
         errors[name] = ((grad.float() - ref_grad).norm() / ref_grad.norm()).item()
     return errors
 
@@ -356,11 +383,13 @@ class _CompositionTestMixin:
         *,
         chunked: bool = True,
         head: Callable[[torch.Tensor], Any] | None = None,
+        logits_dtype: torch.dtype | None = None,
     ) -> tuple[float, _Collectives]:
         """
         One optimizer step's microbatches on ``model``, reducing on the last
         one only. Checks that every module's policy is the caller's again
-        and returns the step's loss and collectives.
+        (and the logits' dtype if ``logits_dtype`` is given) and returns the
+        step's loss and collectives.
         """
         policies = _policies(model)
         tokens, labels = _make_data(step, dp_rank)
@@ -375,7 +404,11 @@ class _CompositionTestMixin:
                     is_last_backward=is_last,
                 ):
                     loss += step_fn(
-                        model, tokens[mb], labels[mb], head or model.lm_head
+                        model,
+                        tokens[mb],
+                        labels[mb],
+                        head or model.lm_head,
+                        logits_dtype,
                     ).item()
         self.assertEqual(_policies(model), policies, f"policies after step {step}")
         return loss, collectives
@@ -383,9 +416,14 @@ class _CompositionTestMixin:
     def _assert_one_reduce_scatter_per_group(
         self, model: nn.Module, collectives: _Collectives, step: int
     ) -> None:
-        # With the reduction deferred to the last microbatch, every group
-        # reduce-scatters exactly once per optimizer step
-        expected = {_group_name(g): 1 for g in _param_groups(model)}
+        # With the reduction deferred to the last microbatch, every group with
+        # trainable parameters reduce-scatters exactly once per optimizer step
+        expected = {
+            _group_name(g): 1
+            for g in _param_groups(model)
+            if any(p.sharded_param.requires_grad for p in g.fsdp_params)
+        }
+        self.assertGreater(len(expected), 0)
         self.assertEqual(
             dict(collectives.reduce_scatters),
             expected,
@@ -402,6 +440,9 @@ class _CompositionTestMixin:
             self.assertEqual(name.replace("_checkpoint_wrapped_module.", ""), ref_name)
             if what == "grad":
                 actual, expected = _full_grad(param), _full_grad(ref_param)
+                if expected is None:
+                    self.assertIsNone(actual, name)
+                    continue
                 self.assertIsNotNone(actual, name)
             else:
                 actual, expected = _full_param(param), _full_param(ref_param)
@@ -471,27 +512,60 @@ class TestFullyShardChunkedLossCompositions(
         """
         bf16 parameters with fp32 reduction: gradients are fp32 DTensors, and
         the chunked loss's gradient error against an fp32 reference is no
-        worse than a non-chunked run's of the same bf16 model.
+        worse than a non-chunked run's of the same bf16 model. Also with a
+        frozen decoder (``partial_backward(outer_backward=False)``) and with
+        fp32 head outputs (``finish_forward`` applies the output cast).
         """
-        self.run_subtests({"layout": list(HEAD_LAYOUTS)}, self._test_mixed_precision)
+        self.run_subtests(
+            {
+                "layout": list(HEAD_LAYOUTS),
+                "frozen_decoder": [False, True],
+                "head_output_dtype": [None, torch.float32],
+            },
+            self._test_mixed_precision,
+        )
 
-    def _test_mixed_precision(self, layout: str):
+    def _test_mixed_precision(
+        self,
+        layout: str,
+        frozen_decoder: bool,
+        head_output_dtype: torch.dtype | None,
+    ):
         mesh = self._mesh()
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-        model, ref = _make_models(mesh, layout=layout, mp_policy=mp_policy)
-        baseline, _ = _make_models(mesh, layout=layout, mp_policy=mp_policy)
+        head_mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            output_dtype=head_output_dtype,
+        )
+        kwargs = {
+            "layout": layout,
+            "mp_policy": mp_policy,
+            "head_mp_policy": head_mp_policy,
+            "frozen_decoder": frozen_decoder,
+        }
+        model, ref = _make_models(mesh, **kwargs)
+        baseline, _ = _make_models(mesh, **kwargs)
         optims = [
             torch.optim.SGD(m.parameters(), lr=LR) for m in (model, baseline, ref)
         ]
+        logits_dtype = head_output_dtype or torch.bfloat16
         for step in range(NUM_STEPS):
-            _, collectives = self._step(model, step, self.rank)
-            self._step(baseline, step, self.rank, chunked=False)
+            _, collectives = self._step(
+                model, step, self.rank, logits_dtype=logits_dtype
+            )
+            self._step(
+                baseline, step, self.rank, chunked=False, logits_dtype=logits_dtype
+            )
             self._reference_backward(ref, step, self.world_size)
             self._assert_one_reduce_scatter_per_group(model, collectives, step)
             for m in (model, baseline):
                 for name, param in m.named_parameters():
+                    if not param.requires_grad:
+                        self.assertIsNone(param.grad, name)
+                        continue
                     self.assertIsInstance(param.grad, DTensor, name)
                     self.assertEqual(param.grad.dtype, torch.float32, name)
             errors = _relative_errors(model, ref)
@@ -618,17 +692,24 @@ class TestFullyShardChunkedLossCompositions(
             self.assertGreater(backend.frame_count, 1)
 
     def test_no_reshard_after_forward(self):
-        """``reshard_after_forward=False`` on the head group, the root or both."""
+        """
+        ``reshard_after_forward=False`` on the head group, the root or both,
+        with a trainable or a frozen decoder.
+        """
         self.run_subtests(
             {
                 "layout": list(HEAD_LAYOUTS),
                 "head_and_root": [(False, None), (None, False), (False, False)],
+                "frozen_decoder": [False, True],
             },
             self._test_no_reshard_after_forward,
         )
 
     def _test_no_reshard_after_forward(
-        self, layout: str, head_and_root: tuple[bool | None, bool | None]
+        self,
+        layout: str,
+        head_and_root: tuple[bool | None, bool | None],
+        frozen_decoder: bool,
     ):
         head_raf, root_raf = head_and_root
         model, ref = _make_models(
@@ -636,6 +717,7 @@ class TestFullyShardChunkedLossCompositions(
             layout=layout,
             head_reshard_after_forward=head_raf,
             root_reshard_after_forward=root_raf,
+            frozen_decoder=frozen_decoder,
         )
         if head_raf is False:
             self.assertFalse(model.lm_head.get_fsdp_policy().reshard_after_forward)
@@ -671,14 +753,18 @@ class TestFullyShardChunkedLossCompositions(
     def test_register_fsdp_forward_method(self):
         """
         Each chunk calls a head method registered with
-        ``register_fsdp_forward_method`` instead of the head's forward.
+        ``register_fsdp_forward_method`` instead of the head's forward, with a
+        trainable or a frozen decoder.
         """
         self.run_subtests(
-            {"layout": list(HEAD_LAYOUTS)}, self._test_register_fsdp_forward_method
+            {"layout": list(HEAD_LAYOUTS), "frozen_decoder": [False, True]},
+            self._test_register_fsdp_forward_method,
         )
 
-    def _test_register_fsdp_forward_method(self, layout: str):
-        model, ref = _make_models(self._mesh(), layout=layout)
+    def _test_register_fsdp_forward_method(self, layout: str, frozen_decoder: bool):
+        model, ref = _make_models(
+            self._mesh(), layout=layout, frozen_decoder=frozen_decoder
+        )
         register_fsdp_forward_method(model.lm_head, "chunk_logits")
         self._train_and_compare(
             model,
