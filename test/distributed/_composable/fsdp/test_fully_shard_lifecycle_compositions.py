@@ -122,8 +122,16 @@ class Transformer(nn.Module):
         return self.norm(h)
 
 
-# Head layouts: the modules passed together to ``fully_shard`` for the head
-HEAD_LAYOUTS = {"separate": ("lm_head",), "grouped": ("norm", "lm_head")}
+# Head layouts: the modules passed together to ``fully_shard`` for the head;
+# none for "root", where ``lm_head`` belongs to the root's group and the chunk
+# loop calls ``partial_backward``/``finish_forward`` on the root
+HEAD_LAYOUTS = {"separate": ("lm_head",), "grouped": ("norm", "lm_head"), "root": ()}
+
+
+def _head_fsdp_module(model: nn.Module) -> FSDPModule:
+    """The FSDP module whose group holds ``lm_head``."""
+    head = model.lm_head if isinstance(model.lm_head, FSDPModule) else model
+    return cast(FSDPModule, head)
 
 
 def _make_models(
@@ -154,7 +162,9 @@ def _make_models(
     ref = Transformer()
     if frozen_decoder:
         head_params = {
-            p for n in HEAD_LAYOUTS[layout] for p in ref.get_submodule(n).parameters()
+            p
+            for n in HEAD_LAYOUTS[layout] or ("lm_head",)
+            for p in ref.get_submodule(n).parameters()
         }
         for param in ref.parameters():
             param.requires_grad_(param in head_params)
@@ -185,11 +195,16 @@ def _make_models(
     head_kwargs = dict(kwargs)
     if head_mp_policy is not None:
         head_kwargs["mp_policy"] = head_mp_policy
-    fully_shard(
-        head_modules if len(head_modules) > 1 else head_modules[0],
-        reshard_after_forward=head_reshard_after_forward,
-        **head_kwargs,
-    )
+    if head_modules:
+        fully_shard(
+            head_modules if len(head_modules) > 1 else head_modules[0],
+            reshard_after_forward=head_reshard_after_forward,
+            **head_kwargs,
+        )
+    elif head_reshard_after_forward is not None:
+        raise ValueError("The root layout has no head group")
+    else:
+        kwargs = head_kwargs
     fully_shard(model, reshard_after_forward=root_reshard_after_forward, **kwargs)
     return model, ref
 
@@ -292,9 +307,10 @@ def _chunked_loss_step(
         c.detach().requires_grad_(h.requires_grad) for c in h.chunk(NUM_CHUNKS, dim=1)
     ]
     total_loss = torch.zeros(())
-    with model.lm_head.partial_backward(outer_backward=h.requires_grad):
+    head_module = _head_fsdp_module(model)
+    with head_module.partial_backward(outer_backward=h.requires_grad):
         for h_chunk, label_chunk in zip(h_chunks, labels.chunk(NUM_CHUNKS, dim=1)):
-            logits = model.lm_head.finish_forward(head(h_chunk))
+            logits = head_module.finish_forward(head(h_chunk))
             _check_dtype(logits, logits_dtype)
             loss = _loss(logits, label_chunk)
             loss.backward()
@@ -312,7 +328,7 @@ def _full_loss_step(
     logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The non-chunked microbatch: full logits in one backward."""
-    logits = model.lm_head.finish_forward(head(model(tokens)))
+    logits = _head_fsdp_module(model).finish_forward(head(model(tokens)))
     _check_dtype(logits, logits_dtype)
     loss = _loss(logits, labels)
     loss.backward()
@@ -547,19 +563,26 @@ class TestFullyShardChunkedLossCompositions(
         """
         self.run_subtests(
             {
-                "layout": list(HEAD_LAYOUTS),
-                "frozen_decoder": [False, True],
-                "head_output_dtype": [None, torch.float32],
+                "config": [
+                    (layout, output_dtype, frozen_decoder)
+                    for layout in ("separate", "grouped")
+                    for output_dtype in (None, torch.float32)
+                    for frozen_decoder in (False, True)
+                ]
+                # With the "root" layout, no fp32 output: the root's output
+                # (the hidden state) would be fp32 and its plain ``lm_head``
+                # bf16. No frozen decoder: the non-chunked run's head gradient
+                # would never be reduced (as on 2.15.0, no FSDP hook fires for
+                # ``lm_head(h)`` after the root forward when ``h`` requires no
+                # gradient); the chunked loss's ``partial_backward`` exit does
+                # reduce it (see ``test_no_reshard_after_forward``)
+                + [("root", None, False)],
             },
             self._test_mixed_precision,
         )
 
-    def _test_mixed_precision(
-        self,
-        layout: str,
-        frozen_decoder: bool,
-        head_output_dtype: torch.dtype | None,
-    ):
+    def _test_mixed_precision(self, config: tuple[str, torch.dtype | None, bool]):
+        layout, head_output_dtype, frozen_decoder = config
         mesh = self._mesh()
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -737,12 +760,21 @@ class TestFullyShardChunkedLossCompositions(
     def test_no_reshard_after_forward(self):
         """
         ``reshard_after_forward=False`` on the head group, the root or both,
-        with a trainable or a frozen decoder.
+        and on a root that holds the head, with a trainable or a frozen
+        decoder.
         """
         self.run_subtests(
             {
-                "layout": list(HEAD_LAYOUTS),
-                "head_and_root": [(False, None), (None, False), (False, False)],
+                "layout_head_root": [
+                    (layout, head_raf, root_raf)
+                    for layout in ("separate", "grouped")
+                    for head_raf, root_raf in (
+                        (False, None),
+                        (None, False),
+                        (False, False),
+                    )
+                ]
+                + [("root", None, False)],
                 "frozen_decoder": [False, True],
             },
             self._test_no_reshard_after_forward,
@@ -750,11 +782,10 @@ class TestFullyShardChunkedLossCompositions(
 
     def _test_no_reshard_after_forward(
         self,
-        layout: str,
-        head_and_root: tuple[bool | None, bool | None],
+        layout_head_root: tuple[str, bool | None, bool | None],
         frozen_decoder: bool,
     ):
-        head_raf, root_raf = head_and_root
+        layout, head_raf, root_raf = layout_head_root
         model, ref = _make_models(
             self._mesh(),
             layout=layout,
