@@ -23,6 +23,7 @@ import copy
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -223,6 +224,22 @@ def _param_groups(model: nn.Module) -> list[FSDPParamGroup]:
 
 def _group_name(group: FSDPParamGroup) -> str:
     return group._module_fqn or "<root>"
+
+
+def _set_caller_policies(model: nn.Module) -> None:
+    """
+    Gives every FSDP module a caller's policy that differs from the one
+    ``fully_shard`` made but trains the same, so that restoring it is not
+    restoring defaults: ``requires_all_reduce=False`` (no replica all-reduce
+    without HSDP) and, on the blocks, an explicit ``reshard_after_forward=True``
+    (their automatic choice).
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            policy = replace(module.get_fsdp_policy(), requires_all_reduce=False)
+            if name.startswith("layers."):
+                policy = replace(policy, reshard_after_forward=True)
+            module.set_fsdp_policy(policy)
 
 
 def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
@@ -519,6 +536,7 @@ class _CompositionTestMixin:
         ``max_norm`` if given) and the parameters after the optimizer step
         match, and each group reduce-scatters once.
         """
+        _set_caller_policies(model)
         optim = optim_cls(model.parameters(), lr=LR)
         ref_optim = optim_cls(ref.parameters(), lr=LR)
         for step in range(NUM_STEPS):
@@ -600,6 +618,7 @@ class TestFullyShardChunkedLossCompositions(
         }
         model, ref = _make_models(mesh, **kwargs)
         baseline, _ = _make_models(mesh, **kwargs)
+        _set_caller_policies(model)
         optims = [
             torch.optim.SGD(m.parameters(), lr=LR) for m in (model, baseline, ref)
         ]
@@ -807,6 +826,7 @@ class TestFullyShardChunkedLossCompositions(
         mesh = self._mesh()
         model, ref = _make_models(mesh)
         baseline, _ = _make_models(mesh)
+        _set_caller_policies(model)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         baseline_optim = torch.optim.AdamW(baseline.parameters(), lr=1e-2)
         ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2)
