@@ -534,7 +534,8 @@ class _CompositionTestMixin:
         ``NUM_STEPS`` optimizer steps of the chunked loss on ``model`` and of
         the full loss on ``ref``: per step, the gradients (after clipping to
         ``max_norm`` if given) and the parameters after the optimizer step
-        match, and each group reduce-scatters once.
+        match, and each group reduce-scatters once; an evaluation batch
+        follows each step.
         """
         _set_caller_policies(model)
         optim = optim_cls(model.parameters(), lr=LR)
@@ -560,6 +561,38 @@ class _CompositionTestMixin:
             optim.zero_grad()
             ref_optim.zero_grad()
             self._assert_close(model, ref, "param", step)
+            self._evaluate(model, ref, step, dp_rank, head=head)
+
+    def _evaluate(
+        self,
+        model: Transformer,
+        ref: Transformer,
+        step: int,
+        dp_rank: int,
+        *,
+        head: Callable[[torch.Tensor], Any] | None = None,
+    ) -> None:
+        """
+        An evaluation batch between optimizer steps, as a training loop runs
+        one: chunked ``no_grad`` head calls completed by ``finish_forward``
+        give the reference's logits and leave no post-forward order behind
+        for the next step's backward.
+        """
+        tokens, _ = _make_data(NUM_STEPS + step, dp_rank)
+        head_module = _head_fsdp_module(model)
+        with torch.no_grad():
+            h = model(tokens[0])
+            logits = torch.cat(
+                [
+                    head_module.finish_forward((head or model.lm_head)(h_chunk))
+                    for h_chunk in h.chunk(NUM_CHUNKS, dim=1)
+                ],
+                dim=1,
+            )
+            ref_logits = ref.lm_head(ref(tokens[0]))
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
+        post_forward_order = model._get_fsdp_state()._comm_ctx.post_forward_order
+        self.assertEqual([_group_name(g) for g in post_forward_order], [])
 
 
 class TestFullyShardChunkedLossCompositions(
