@@ -563,6 +563,86 @@ class _CompositionTestMixin:
             self._assert_close(model, ref, "param", step)
             self._evaluate(model, ref, step, dp_rank, head=head)
 
+    def _train_mixed_precision(
+        self,
+        mesh: DeviceMesh,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        layout: str,
+        head_output_dtype: torch.dtype | None = None,
+        frozen_decoder: bool = False,
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
+        """
+        ``NUM_STEPS`` SGD steps of the chunked loss on a bf16 model (fp32
+        reduction), of the full loss on the same bf16 model, and on an fp32
+        reference: per step, the gradients are fp32 DTensors, each group of
+        the chunked run reduce-scatters once, and the chunked run's gradient
+        error against the reference is no worse than the non-chunked run's.
+        """
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+        head_mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            output_dtype=head_output_dtype,
+        )
+        kwargs: dict[str, Any] = {
+            "layout": layout,
+            "mp_policy": mp_policy,
+            "head_mp_policy": head_mp_policy,
+            "frozen_decoder": frozen_decoder,
+            "tp_mesh": tp_mesh,
+        }
+        model, ref = _make_models(mesh, **kwargs)
+        baseline, _ = _make_models(mesh, **kwargs)
+        _set_caller_policies(model)
+        optims = [
+            torch.optim.SGD(m.parameters(), lr=LR) for m in (model, baseline, ref)
+        ]
+        logits_dtype = head_output_dtype or torch.bfloat16
+        for step in range(NUM_STEPS):
+            _, collectives = self._step(model, step, dp_rank, logits_dtype=logits_dtype)
+            self._step(
+                baseline, step, dp_rank, chunked=False, logits_dtype=logits_dtype
+            )
+            self._reference_backward(ref, step, dp_size)
+            self._assert_one_reduce_scatter_per_group(model, collectives, step)
+            for m in (model, baseline):
+                for name, param in m.named_parameters():
+                    if not param.requires_grad:
+                        self.assertIsNone(param.grad, name)
+                        continue
+                    self.assertIsInstance(param.grad, DTensor, name)
+                    self.assertEqual(param.grad.dtype, torch.float32, name)
+            errors = _relative_errors(model, ref)
+            baseline_errors = _relative_errors(baseline, ref)
+            msg = f"step {step}: chunked {errors} vs non-chunked {baseline_errors}"
+            # bf16 rounding puts both relative errors near 1e-2. The chunked
+            # loss rounds in another order (per-chunk logits, head gradients
+            # summed over chunks), so allow 10% relative slack: measured, the
+            # chunked error is at most 1.06x the non-chunked one, and 1.2x on
+            # lm_head if the head accumulated its chunk gradients in bf16.
+            # Before the first optimizer step both models hold the same
+            # parameters, so compare each parameter; later steps compare the
+            # worst parameter, as each model has drifted on its own
+            if step == 0:
+                for name, error in errors.items():
+                    self.assertLessEqual(
+                        error, 1.1 * baseline_errors[name], f"{name}: {msg}"
+                    )
+            self.assertLessEqual(
+                max(errors.values()), 1.1 * max(baseline_errors.values()), msg
+            )
+            # Not trivially satisfied: bf16-accurate, not fp32-exact
+            self.assertGreater(min(baseline_errors.values()), 1e-4, msg)
+            self.assertLess(max(baseline_errors.values()), 5e-2, msg)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+
     def _evaluate(
         self,
         model: Transformer,
@@ -634,69 +714,14 @@ class TestFullyShardChunkedLossCompositions(
 
     def _test_mixed_precision(self, config: tuple[str, torch.dtype | None, bool]):
         layout, head_output_dtype, frozen_decoder = config
-        mesh = self._mesh()
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        self._train_mixed_precision(
+            self._mesh(),
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+            layout=layout,
+            head_output_dtype=head_output_dtype,
+            frozen_decoder=frozen_decoder,
         )
-        head_mp_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32,
-            output_dtype=head_output_dtype,
-        )
-        kwargs = {
-            "layout": layout,
-            "mp_policy": mp_policy,
-            "head_mp_policy": head_mp_policy,
-            "frozen_decoder": frozen_decoder,
-        }
-        model, ref = _make_models(mesh, **kwargs)
-        baseline, _ = _make_models(mesh, **kwargs)
-        _set_caller_policies(model)
-        optims = [
-            torch.optim.SGD(m.parameters(), lr=LR) for m in (model, baseline, ref)
-        ]
-        logits_dtype = head_output_dtype or torch.bfloat16
-        for step in range(NUM_STEPS):
-            _, collectives = self._step(
-                model, step, self.rank, logits_dtype=logits_dtype
-            )
-            self._step(
-                baseline, step, self.rank, chunked=False, logits_dtype=logits_dtype
-            )
-            self._reference_backward(ref, step, self.world_size)
-            self._assert_one_reduce_scatter_per_group(model, collectives, step)
-            for m in (model, baseline):
-                for name, param in m.named_parameters():
-                    if not param.requires_grad:
-                        self.assertIsNone(param.grad, name)
-                        continue
-                    self.assertIsInstance(param.grad, DTensor, name)
-                    self.assertEqual(param.grad.dtype, torch.float32, name)
-            errors = _relative_errors(model, ref)
-            baseline_errors = _relative_errors(baseline, ref)
-            msg = f"step {step}: chunked {errors} vs non-chunked {baseline_errors}"
-            # bf16 rounding puts both relative errors near 1e-2. The chunked
-            # loss rounds in another order (per-chunk logits, head gradients
-            # summed over chunks), so allow 10% relative slack: measured, the
-            # chunked error is at most 1.02x the non-chunked one, and 1.2x on
-            # lm_head if the head accumulated its chunk gradients in bf16.
-            # Before the first optimizer step both models hold the same
-            # parameters, so compare each parameter; later steps compare the
-            # worst parameter, as each model has drifted on its own
-            if step == 0:
-                for name, error in errors.items():
-                    self.assertLessEqual(
-                        error, 1.1 * baseline_errors[name], f"{name}: {msg}"
-                    )
-            self.assertLessEqual(
-                max(errors.values()), 1.1 * max(baseline_errors.values()), msg
-            )
-            # Not trivially satisfied: bf16-accurate, not fp32-exact
-            self.assertGreater(min(baseline_errors.values()), 1e-4, msg)
-            self.assertLess(max(baseline_errors.values()), 5e-2, msg)
-            for optim in optims:
-                optim.step()
-                optim.zero_grad()
 
     def test_activation_checkpointing(self):
         """
@@ -961,6 +986,26 @@ class TestFullyShardChunkedLossTensorParallel(
             dp_rank=dp_mesh.get_local_rank(),
             dp_size=dp_mesh.size(),
             max_norm=0.1,
+        )
+
+    def test_fsdp_tp_mixed_precision(self):
+        """
+        FSDP + TP with bf16 parameters and fp32 reduction: as
+        ``TestFullyShardChunkedLossCompositions.test_mixed_precision``.
+        """
+        self.run_subtests(
+            {"layout": list(HEAD_LAYOUTS)}, self._test_fsdp_tp_mixed_precision
+        )
+
+    def _test_fsdp_tp_mixed_precision(self, layout: str):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+        self._train_mixed_precision(
+            dp_mesh,
+            dp_rank=dp_mesh.get_local_rank(),
+            dp_size=dp_mesh.size(),
+            layout=layout,
+            tp_mesh=tp_mesh,
         )
 
 
