@@ -801,15 +801,17 @@ class TestFullyShardChunkedLossCompositions(
         self.run_subtests(
             {
                 "layout": list(HEAD_LAYOUTS),
-                "compile_head": [False, True],
-                "checkpointing": [None, "wrapper"],
+                # (compile_head, checkpointing): compiling takes most of the
+                # time, so two of the four combinations
+                "compile_head_and_checkpointing": [(False, None), (True, "wrapper")],
             },
             self._test_compile_blocks,
         )
 
     def _test_compile_blocks(
-        self, layout: str, compile_head: bool, checkpointing: str | None
+        self, layout: str, compile_head_and_checkpointing: tuple[bool, str | None]
     ):
+        compile_head, checkpointing = compile_head_and_checkpointing
         torch._dynamo.reset()
         backend = CompileCounterWithBackend("aot_eager")
         model, ref = _make_models(
