@@ -14,7 +14,9 @@ chunked loss per microbatch, and no manual ``reshard()`` or gradient clearing
 besides ``optimizer.zero_grad()``. Every step checks the gradients against a
 single-process (non-sharded) reference that sees every rank's data, one
 reduce-scatter per parameter group, and that every module's ``FSDPPolicy`` is
-the caller's again.
+the caller's again; an evaluation (``no_grad``, chunked) runs between steps.
+Plain training with activation checkpointing keeps 2.15.0's post-forward order
+and backward prefetches.
 """
 
 import collections
@@ -540,6 +542,7 @@ class _CompositionTestMixin:
         _set_caller_policies(model)
         optim = optim_cls(model.parameters(), lr=LR)
         ref_optim = optim_cls(ref.parameters(), lr=LR)
+        post_forward_order_lens = []
         for step in range(NUM_STEPS):
             _, collectives = self._step(model, step, dp_rank, head=head)
             self._assert_one_reduce_scatter_per_group(model, collectives, step)
@@ -561,7 +564,16 @@ class _CompositionTestMixin:
             optim.zero_grad()
             ref_optim.zero_grad()
             self._assert_close(model, ref, "param", step)
-            self._evaluate(model, ref, step, dp_rank, head=head)
+            post_forward_order_lens += self._evaluate(
+                model, ref, step, dp_rank, head=head
+            )
+        # Evaluation keeps FSDP's bookkeeping bounded (2.15.0's post-forward
+        # order grows by one entry per group per batch)
+        self.assertEqual(
+            post_forward_order_lens,
+            post_forward_order_lens[:1] * len(post_forward_order_lens),
+            "post-forward order length after each evaluation batch",
+        )
 
     def _train_mixed_precision(
         self,
@@ -651,28 +663,31 @@ class _CompositionTestMixin:
         dp_rank: int,
         *,
         head: Callable[[torch.Tensor], Any] | None = None,
-    ) -> None:
+    ) -> list[int]:
         """
-        An evaluation batch between optimizer steps, as a training loop runs
-        one: chunked ``no_grad`` head calls completed by ``finish_forward``
-        give the reference's logits and leave no post-forward order behind
-        for the next step's backward.
+        An evaluation between optimizer steps, as a training loop runs one:
+        chunked ``no_grad`` head calls completed by ``finish_forward`` give
+        the reference's logits. Returns the length of the post-forward order
+        after each batch, which must not grow from batch to batch.
         """
         tokens, _ = _make_data(NUM_STEPS + step, dp_rank)
         head_module = _head_fsdp_module(model)
-        with torch.no_grad():
-            h = model(tokens[0])
-            logits = torch.cat(
-                [
-                    head_module.finish_forward((head or model.lm_head)(h_chunk))
-                    for h_chunk in h.chunk(NUM_CHUNKS, dim=1)
-                ],
-                dim=1,
-            )
-            ref_logits = ref.lm_head(ref(tokens[0]))
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
         post_forward_order = model._get_fsdp_state()._comm_ctx.post_forward_order
-        self.assertEqual([_group_name(g) for g in post_forward_order], [])
+        post_forward_order_lens = []
+        for batch_tokens in tokens:
+            with torch.no_grad():
+                h = model(batch_tokens)
+                logits = torch.cat(
+                    [
+                        head_module.finish_forward((head or model.lm_head)(h_chunk))
+                        for h_chunk in h.chunk(NUM_CHUNKS, dim=1)
+                    ],
+                    dim=1,
+                )
+                ref_logits = ref.lm_head(ref(batch_tokens))
+            torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
+            post_forward_order_lens.append(len(post_forward_order))
+        return post_forward_order_lens
 
 
 class TestFullyShardChunkedLossCompositions(
