@@ -5,8 +5,9 @@
     ... edit in DIR: git commit / git rebase -i / git commit --amend ...
     python tools/devtree.py export DIR               # rewrite torch_patches/patches/
 
-``init`` copies every ``.py`` under ``torch/distributed/fsdp/`` and
-``torch/distributed/pipelining/`` from the torch 2.15.0 installed for PY (if
+``init`` copies every ``.py`` under the manifest's ``[base] prefixes``
+(``torch/distributed/fsdp/``, ``torch/distributed/pipelining/``) from the
+pinned torch installed for PY (if
 that torch was patched in place, the pristine copies the patch marker keeps
 are used), verifies each against the dist-info RECORD hashes, commits them as
 the base commit (tag ``base``), and applies the series with ``git am``.
@@ -32,10 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torch_patches import base  # noqa: E402
 from torch_patches.errors import TorchPatchesError  # noqa: E402
 from torch_patches.installed import pristine_base_files  # noqa: E402
-from torch_patches.series import DEFAULT_SERIES_DIR, load_series, parse_patch  # noqa: E402
+from torch_patches.series import (MANIFEST_NAME, default_series_dir, load_series, parse_patch,  # noqa: E402
+                                  read_manifest)
 
 FIXED_DATE = "2000-01-01T00:00:00+0000"
 
@@ -64,8 +65,9 @@ def cmd_init(args) -> None:
     if tree.exists() and any(tree.iterdir()):
         raise TorchPatchesError(f"{tree} exists and is not empty")
     series = load_series(args.series)
-    files = pristine_base_files(args.python)
-    print(f"init: {len(files)} pristine files from torch {base.BASE_VERSION} -> {tree}")
+    base = series.base
+    files = pristine_base_files(args.python, base)
+    print(f"init: {len(files)} pristine files from torch {base.version} -> {tree}")
     for rel, data in files.items():
         dest = tree / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -77,9 +79,9 @@ def cmd_init(args) -> None:
     if "GIT_AUTHOR_NAME" not in base_env:
         base_env.update(GIT_AUTHOR_NAME="PyTorch", GIT_AUTHOR_EMAIL="packages@pytorch.org")
     git(tree, "commit", "-q", "-m",
-        f"torch {base.BASE_VERSION} base ({base.BASE_GIT_VERSION[:12]})\n\n"
-        f"Pristine torch/distributed/{{fsdp,pipelining}} sources of the torch {base.BASE_VERSION} wheel,\n"
-        f"verified against its RECORD. Upstream commit {base.BASE_GIT_VERSION}.", env=base_env)
+        f"torch {base.version} base ({base.git_version[:12]})\n\n"
+        f"Pristine {' '.join(base.prefixes)} sources of the torch {base.version} wheel,\n"
+        f"verified against its RECORD. Upstream commit {base.git_version}.", env=base_env)
     git(tree, "tag", "base")
     if series.patches:
         patch_paths = [str(series.directory / p.name) for p in series.patches]
@@ -94,7 +96,7 @@ def cmd_init(args) -> None:
 
 def cmd_export(args) -> None:
     tree = Path(args.dir).resolve()
-    out_dir = Path(args.series) if args.series else DEFAULT_SERIES_DIR
+    out_dir = Path(args.series) if args.series else default_series_dir()
     if git(tree, "status", "--porcelain", "--untracked-files=no").strip():
         raise TorchPatchesError(f"{tree} has uncommitted changes; commit or stash them first")
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,14 +120,17 @@ def cmd_export(args) -> None:
                 if name and (out_dir / name).exists():
                     (out_dir / name).unlink()
         out_dir.mkdir(parents=True, exist_ok=True)
+        if not (out_dir / MANIFEST_NAME).is_file():
+            shutil.copyfile(default_series_dir() / MANIFEST_NAME, out_dir / MANIFEST_NAME)
+            print(f"export: {out_dir} had no {MANIFEST_NAME}; copied the shipped one")
         for p in new:
             shutil.copyfile(p, out_dir / p.name)
         series_file.write_text("\n".join(header + [p.name for p in new]) + "\n")
     print(f"export: {len(new)} patch(es) -> {out_dir}")
     for p in new:
         print(f"  {p.name}")
-    print(f"export: bump SERIES_REVISION in torch_patches/base.py (now {base.SERIES_REVISION}) "
-          "when releasing a changed series")
+    print(f"export: bump [series] revision in {out_dir / 'manifest.ini'} "
+          f"(now {read_manifest(out_dir).revision}) when releasing a changed series")
 
 
 def main(argv=None) -> int:
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("init", help="materialise an editable git tree of the base + series")
     p.add_argument("dir")
-    p.add_argument("--python", metavar="PY", help="interpreter with torch 2.15.0 (default: this one)")
+    p.add_argument("--python", metavar="PY", help="interpreter with the pinned torch (default: this one)")
     p.add_argument("--series", metavar="DIR", help="series to apply (default: the shipped one)")
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("export", help="regenerate the patch files and series from base..HEAD")

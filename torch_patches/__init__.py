@@ -1,4 +1,4 @@
-"""The FSDP lifecycle patch series for torch 2.15.0, and the tools that apply it.
+"""The FSDP lifecycle patch series, and the tools that apply it to its pinned torch.
 
 Entry points: :mod:`torch_patches.cli` (``python -m torch_patches``),
 :func:`torch_patches.ops.apply` / :func:`~torch_patches.ops.revert` on a target
@@ -7,8 +7,6 @@ from :mod:`torch_patches.installed` or :mod:`torch_patches.source`, and
 torch.
 """
 
-from .base import BASE_GIT_VERSION, BASE_VERSION, SERIES_REVISION, patched_version
-
 __version__ = "0.1.0"
 
-__all__ = ["BASE_VERSION", "BASE_GIT_VERSION", "SERIES_REVISION", "patched_version", "__version__"]
+__all__ = ["__version__"]

@@ -4,8 +4,8 @@ Every patch names its upstream issue in its DEP-3 ``Bug:`` field; patches with
 the same issue form one PR. For each tracker ``N`` the export writes ``DIR/N/``:
 
 * ``NNNN-*.patch``: a ``git format-patch`` series with the tracker's source
-  patch(es) and one commit adding its tests at their upstream paths (see
-  :data:`TRACKERS`); the shared test helper becomes
+  patch(es) and one commit adding its tests at their upstream paths (the
+  ``[trackers]`` of the series' ``manifest.ini``); the shared test helper becomes
   ``torch/testing/_internal/common_fsdp_lifecycle.py`` and the tests import it
   from there instead of through ``sys.path``;
 * ``PR.md``: the PR description in upstream's form: title, ``Fixes #N``,
@@ -35,34 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import base
+from .base import Base
 from .errors import TorchPatchesError
 from .patching import Files
-from .series import Patch, Series
+from .series import Patch, Series, Tracker
 
 ISSUE_URL = "https://github.com/pytorch/pytorch/issues/"
 _BUG_RE = re.compile(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)")
 
-
-@dataclass(frozen=True)
-class Tracker:
-    """An upstream issue: the PR title prefix and the tests that go with it."""
-
-    number: int
-    prefix: str  # PR title prefix, e.g. "[FSDP2]"
-    what: str  # what the PR adds, for the test commit's subject
-    tests: Tuple[str, ...] = ()  # repo paths; upstream uses the same paths
-
-
-#: The one table mapping upstream trackers to their tests (repo path == upstream path).
-TRACKERS: Dict[int, Tracker] = {t.number: t for t in (
-    Tracker(203177, "[FSDP2]", "value-based FSDPPolicy",
-            ("test/distributed/_composable/fsdp/test_fully_shard_policy.py",)),
-    Tracker(203176, "[FSDP2]", "partial_backward() and finish_forward()",
-            ("test/distributed/_composable/fsdp/test_fully_shard_lifecycle.py",)),
-    Tracker(203178, "[pipelining]", "FSDP stages: no-sync from step start, reset after metadata inference",
-            ("test/distributed/pipelining/test_pipelining_fsdp_lifecycle.py",)),
-)}
 
 #: The tests' shared helper: here, and where it lives upstream.
 HELPER = "test/distributed/fsdp_lifecycle_testing.py"
@@ -104,10 +84,10 @@ class ApiEntry:
 
 
 def base_prefixes(series: Series) -> Tuple[str, ...]:
-    """The base trees to export from: fsdp/pipelining plus any other directory the series touches."""
-    from .installed import BASE_PREFIXES
-    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths if not p.startswith(BASE_PREFIXES)}
-    return tuple(BASE_PREFIXES) + tuple(sorted(extra))
+    """The base trees to export from: the manifest's prefixes plus any other directory the series touches."""
+    prefixes = series.base.prefixes
+    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths if not p.startswith(prefixes)}
+    return tuple(prefixes) + tuple(sorted(extra))
 
 
 def tracker_number(patch: Patch) -> int:
@@ -125,7 +105,7 @@ def group_series(series: Series) -> List[Group]:
     groups: Dict[int, Group] = {}
     for patch in series.patches:
         n = tracker_number(patch)
-        tracker = TRACKERS.get(n) or Tracker(n, "", f"#{n}")
+        tracker = series.manifest.tracker(n) or Tracker(n, "", f"#{n}")
         groups.setdefault(n, Group(tracker)).patches.append(patch)
     return list(groups.values())
 
@@ -174,15 +154,15 @@ def upstream_test(text: str, where: str = "test") -> str:
     return out
 
 
-def collect_tests(groups: List[Group], repo: Path) -> List[str]:
+def collect_tests(groups: List[Group], repo: Path, series: Series) -> List[str]:
     """Fill ``group.tests``; the helper goes with the first group whose tests use it.
 
     Returns warnings (missing test files: the group is exported without them).
     """
     warnings, helper_done = [], False
     for group in groups:
-        if group.number not in TRACKERS:
-            warnings.append(f"#{group.number}: not in the TRACKERS table of torch_patches/export.py; "
+        if series.manifest.tracker(group.number) is None:
+            warnings.append(f"#{group.number}: no line in [trackers] of {series.directory}/manifest.ini; "
                             "exported without tests")
             continue
         for rel in group.tracker.tests:
@@ -300,7 +280,7 @@ def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     return out
 
 
-def build_stack(tree: Path, base_files: Files, groups: List[Group]) -> None:
+def build_stack(tree: Path, base_files: Files, groups: List[Group], base: Base) -> None:
     """Create the scratch repository ``tree``: ``base``, then per tracker its
     patches (``git am``) and a test commit, tagged ``pr-N``."""
     tree.mkdir(parents=True)
@@ -313,8 +293,8 @@ def build_stack(tree: Path, base_files: Files, groups: List[Group]) -> None:
     _git(tree, "add", "-A")
     fixed = _identity("PyTorch", "packages@pytorch.org", "2000-01-01T00:00:00+0000")
     _git(tree, "commit", "-q", "-m",
-         f"torch {base.BASE_VERSION} base ({base.BASE_GIT_VERSION[:12]})\n\n"
-         f"Pristine sources of the torch {base.BASE_VERSION} wheel. Upstream commit {base.BASE_GIT_VERSION}.",
+         f"torch {base.version} base ({base.git_version[:12]})\n\n"
+         f"Pristine sources of the torch {base.version} wheel. Upstream commit {base.git_version}.",
          env=fixed)
     _git(tree, "tag", "base")
     for group in groups:
@@ -392,9 +372,9 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
         if len(group.patches) > 1:
             lines += [f"### {patch.subject}", ""]
         lines += [_body(patch), ""]
-    lines += [f"Base: PyTorch {base.BASE_VERSION} (git `{base.BASE_GIT_VERSION[:12]}`, "
-              f"{base.BASE_GIT_VERSION}). Exported from the torch-fsdp-lifecycle patch series "
-              f"(revision {series.revision}, `{base.patched_version(series.revision)}`): "
+    lines += [f"Base: PyTorch {series.base.version} (git `{series.base.git_version[:12]}`, "
+              f"{series.base.git_version}). Exported from the torch-fsdp-lifecycle patch series "
+              f"(revision {series.revision}, `{series.version}`): "
               + ", ".join(f"`{p.name}`" for p in group.patches) + ".", ""]
     lines += ["### Public API added", ""]
     if not group.api:
@@ -418,7 +398,7 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
                   f"{rec.get('where', '')}".rstrip() + ". Output (tail):", "", "```",
                   str(rec.get("output", "")).rstrip(), "```", ""]
     lines += ["Lint: `ruff check` and `mypy` report no new warnings on the touched files compared with "
-              f"{base.BASE_VERSION} when `test/tools/test_lint.py` of torch-fsdp-lifecycle passes.", ""]
+              f"{series.base.version} when `test/tools/test_lint.py` of torch-fsdp-lifecycle passes.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -455,15 +435,15 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     if not series.patches:
         raise TorchPatchesError("the series is empty: nothing to export")
     groups = group_series(series)
-    warnings = collect_tests(groups, repo)
-    for number in TRACKERS:
+    warnings = collect_tests(groups, repo, series)
+    for number in (t.number for t in series.manifest.trackers):
         if number not in {g.number for g in groups}:
             warnings.append(f"#{number}: no patch in the series names it (not written yet, or retired); skipped")
     _prepare_out(out)
     order: List[str] = []
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
         tree = Path(tmp) / "pytorch"
-        build_stack(tree, base_files, groups)
+        build_stack(tree, base_files, groups, series.base)
         prev = "base"
         for group in groups:
             tag = f"pr-{group.number}"
@@ -482,14 +462,14 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
             progress(f"#{group.number}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
             prev = tag
     (out / "series").write_text(
-        f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]}),\n"
+        f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {series.base.version} ({series.base.git_version[:12]}),\n"
         f"# series revision {series.revision}. Apply in this order with `git am --keep-non-patch`\n"
         f"# (keeps the [FSDP2]/[pipelining] subject prefix); one directory per PR.\n"
         + "".join(line + "\n" for line in order), encoding="utf-8")
     return ExportResult(out, groups, warnings, order)
 
 
-def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path,
+def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, base: Base,
               progress: Callable[[str], None] = lambda _msg: None) -> Dict[str, dict]:
     """Run each exported tracker's tests from this checkout with ``python`` and record them.
 
@@ -507,7 +487,7 @@ def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path,
             tail = "\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-15:])
             results[rel] = {"command": f"{python} {rel}", "returncode": proc.returncode, "output": tail,
                             "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base.BASE_VERSION} "
+                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base.version} "
                                      "with the series applied"}
             progress(f"  exit {proc.returncode}")
     results_file.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")

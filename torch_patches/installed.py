@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-from . import base, fsutil, marker as markers
+from . import fsutil, marker as markers
+from .base import Base, public_version
 from .errors import TorchPatchesError
 from .patching import Files
 from .record import Record, record_hash
@@ -69,7 +70,7 @@ class InstalledTorch(Target):
         self.python_version = info["python"]
         if not info.get("torch_init"):
             raise TorchPatchesError(
-                f"{python} has no torch installed; install torch=={base.BASE_VERSION} first")
+                f"{python} has no torch installed; install the torch release the series is pinned to first")
         self.torch_dir = Path(info["torch_init"]).parent
         self.root = self.torch_dir.parent
         found = [d for d in sorted(self.root.glob("torch-*.dist-info"))
@@ -81,7 +82,9 @@ class InstalledTorch(Target):
         self.dist_info = found[0] if found else None
         self.dist_version = _metadata_field(self.dist_info / "METADATA", "Version") if self.dist_info else ""
         self.version_py = read_version_py(self.read("torch/version.py") or b"")
-        self.kind = "wheel" if base.patched_revision(self.dist_version) is not None else "installed"
+        # A torch installed from our patched wheel carries the wheel's marker.
+        marker = self.load_marker()
+        self.kind = "wheel" if marker is not None and marker.get("kind") == "wheel" else "installed"
 
     # -- identity --------------------------------------------------------------
     @property
@@ -100,16 +103,19 @@ class InstalledTorch(Target):
             lines.append(f"dist:    {self.dist_info.name}")
         return lines
 
-    def base_problem(self) -> Optional[str]:
+    @property
+    def base_version(self) -> str:
+        return public_version(self.dist_version)
+
+    def base_problem(self, base: Base) -> Optional[str]:
         if self.dist_info is None:
             return (f"torch at {self.torch_dir} has no torch-*.dist-info next to it "
                     "(a source/develop install?); use `apply --source DIR` for source trees")
-        if self.git_version != base.BASE_GIT_VERSION or base.public_version(self.dist_version) != base.BASE_VERSION \
-                or base.public_version(self.torch_version) != base.BASE_VERSION:
+        if self.git_version != base.git_version or public_version(self.dist_version) != base.version \
+                or public_version(self.torch_version) != base.version:
             return (f"torch {self.torch_version} (dist {self.dist_version}, commit {self.git_version[:12]}) "
-                    f"is not the pinned base torch {base.BASE_VERSION} "
-                    f"({base.BASE_GIT_VERSION[:12]}); install it with "
-                    f"`pip install torch=={base.BASE_VERSION}` and try again")
+                    f"is not the pinned base torch {base.short}; install it with "
+                    f"`pip install torch=={base.version}` and try again")
         return None
 
     # -- marker / RECORD ---------------------------------------------------------
@@ -193,24 +199,20 @@ def locate(python: Optional[str] = None) -> InstalledTorch:
     return InstalledTorch(python, run_locate(python))
 
 
-#: Where the series' files live: the base trees ``devtree`` and ``export`` build from.
-BASE_PREFIXES = ("torch/distributed/fsdp/", "torch/distributed/pipelining/")
-
-
-def pristine_base_files(python: Optional[str] = None, prefixes=None) -> Files:
+def pristine_base_files(python: Optional[str], base: Base, prefixes=None) -> Files:
     """``{repo path: bytes}`` of the base's ``.py`` files under ``prefixes``, RECORD-verified.
 
-    ``prefixes`` defaults to :data:`BASE_PREFIXES`. If that torch was patched in
+    ``prefixes`` defaults to the manifest's ``base.prefixes``. If that torch was patched in
     place with this tool, the pristine copies its marker keeps are used; a torch
     edited by hand is refused. Shared by ``tools/devtree.py`` and ``export``.
     """
-    prefixes = tuple(prefixes or BASE_PREFIXES)
+    prefixes = tuple(prefixes or base.prefixes)
     target = locate(python)
     if target.kind == "wheel":
         raise TorchPatchesError(
             f"torch {target.dist_version} was installed from a patched wheel; its pristine files are "
-            f"not available. Use an interpreter with torch=={base.BASE_VERSION} (--python PY).")
-    problem = target.base_problem()
+            f"not available. Use an interpreter with torch=={base.version} (--python PY).")
+    problem = target.base_problem(base)
     if problem:
         raise TorchPatchesError(problem)
     record = target.pristine_record()
@@ -227,5 +229,5 @@ def pristine_base_files(python: Optional[str] = None, prefixes=None) -> Files:
         raise TorchPatchesError(
             f"the torch of {target.executable} does not match its RECORD (edited in place?):\n  "
             + "\n  ".join(problems[:10])
-            + f"\nUse an interpreter with an unmodified torch=={base.BASE_VERSION} (--python PY).")
+            + f"\nUse an interpreter with an unmodified torch=={base.version} (--python PY).")
     return files

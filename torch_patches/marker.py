@@ -14,7 +14,6 @@ import hashlib
 import json
 from typing import Dict, Optional
 
-from . import base
 from .patching import Files
 from .series import Series
 
@@ -60,7 +59,7 @@ def build(series: Series, pristine: Files, patched: Files, kind: str,
         "tool": "torch_patches",
         "format": FORMAT,
         "kind": kind,
-        "base": {"version": base.BASE_VERSION, "git_version": base.BASE_GIT_VERSION},
+        "base": {"version": series.base.version, "git_version": series.base.git_version},
         "version": series.version,
         "series": series.identity(),
         "subjects": {p.name: p.subject for p in series.patches},

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from . import base, marker as markers
+from . import marker as markers
 from .errors import PatchApplyError, TorchPatchesError
 from .patching import Files
 from .series import Series
 from .state import (APPLIED, CONFLICTS, NOT_APPLIED, RETIRED, analyze, apply_series, base_blob_mismatches,
-                    find_retired, without)
+                    find_retired)
 from .target import Target
 
 REFUSED = 3  # exit code for "this is not the pinned base torch"
@@ -55,10 +55,10 @@ def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
         raise TorchPatchesError(
             f"torch was installed from a patched wheel ({getattr(target, 'dist_version', '?')}); "
             f"cannot {action} in place. Reinstall the base with "
-            f"`pip install --force-reinstall --no-deps torch=={base.BASE_VERSION}` "
+            f"`pip install --force-reinstall --no-deps torch=={series.base.version}` "
             f"or install the wheel for series revision {series.revision}. {NOTHING_CHANGED}",
             REFUSED)
-    problem = target.base_problem()
+    problem = target.base_problem(series.base)
     if problem:
         raise TorchPatchesError(f"refusing to {action}: {problem}. {NOTHING_CHANGED}", REFUSED)
 
@@ -85,10 +85,10 @@ def plan_apply(target: Target, series: Series) -> Plan:
         mtimes = {**target.mtimes(p for p in paths if p not in old["files"]), **markers.pristine_mtimes(old)}
         replacing = f" (replacing {markers.describe(old)})"
         retired = _retired(target, series, pristine)
-        live = without(series, retired)
+        live = series.without(retired)
     else:
         retired = _retired(target, series, current)
-        live = without(series, retired)
+        live = series.without(retired)
         if retired and not live.patches:
             return Plan(already=True, message="nothing to apply: every patch is already in base: retired"
                                               + _retired_lines(retired))
@@ -107,7 +107,7 @@ def plan_apply(target: Target, series: Series) -> Plan:
     if problems:
         raise TorchPatchesError(
             "the files to patch are not the pristine base files:\n  " + "\n  ".join(problems)
-            + f"\nReinstall torch=={base.BASE_VERSION} (or use a clean v{base.BASE_VERSION} tree). "
+            + f"\nReinstall torch=={series.base.version} (or use a clean v{series.base.version} tree). "
             + NOTHING_CHANGED)
     try:
         new = apply_series(live, pristine)
@@ -141,13 +141,13 @@ def revert(target: Target, series: Series) -> str:
         if changed:
             raise TorchPatchesError(
                 f"these files changed after {markers.describe(old)} was applied: {', '.join(changed)}; "
-                f"reinstall torch=={base.BASE_VERSION} instead. {NOTHING_CHANGED}")
+                f"reinstall torch=={series.base.version} instead. {NOTHING_CHANGED}")
         pristine = markers.pristine_files(old)
         what = markers.describe(old)
     else:
         current = target.read_all(series.paths)
         retired = _retired(target, series, current)
-        state = analyze(without(series, retired), current)
+        state = analyze(series.without(retired), current)
         if state.kind == NOT_APPLIED:
             return "nothing to revert: the series is not applied" + (
                 f" ({len(retired)} already in base: retired)" if retired else "")
@@ -180,15 +180,28 @@ def patch_states(target: Target, series: Series, reasons: Optional[Dict[str, str
         per = {p.name: (RETIRED if p.name in reasons else APPLIED) for p in series.patches}
         return per, "applied" + _retired_summary(reasons, series)
     reasons.update(_retired(target, series, current))
-    state = analyze(without(series, reasons), current)
+    state = analyze(series.without(reasons), current)
     per = {p.name: (RETIRED if p.name in reasons else state.per_patch.get(p.name, "?")) for p in series.patches}
     if old is not None and not markers.same_series(old, series):
-        return per, f"{markers.describe(old)} is applied; `apply` replaces it with this series"
+        return per, _other_series(old, series, target)
     if not series.patches:
         return {}, "empty series" + (" (recorded as applied)" if old else "")
     if reasons and len(reasons) == len(series.patches):
         return per, "every patch is already in base: retired"
     return per, state.describe() + _retired_summary(reasons, series)
+
+
+def _other_series(old: dict, series: Series, target: Target) -> str:
+    """What ``status`` says when the recorded series is not ``series``."""
+    recorded = old["series"]["revision"]
+    how = ("build and install its wheel (`torch-patches wheel`)" if target.kind == "wheel"
+           else "`apply` upgrades to it in one step")
+    if recorded < series.revision:
+        return f"{markers.describe(old)} is applied; a newer series exists (revision {series.revision}): {how}"
+    if recorded > series.revision:
+        return (f"{markers.describe(old)} is applied, newer than this series (revision {series.revision}); "
+                "`apply` would replace it with this older one")
+    return f"{markers.describe(old)} is applied; `apply` replaces it with this series"
 
 
 def _retired_summary(reasons: Dict[str, str], series: Series) -> str:
@@ -200,14 +213,14 @@ def _retired_summary(reasons: Dict[str, str], series: Series) -> str:
 def status(target: Target, series: Series) -> List[str]:
     """Human-readable status lines."""
     lines = list(target.describe())
-    problem = target.base_problem() if target.kind != "wheel" else None
+    problem = target.base_problem(series.base) if target.kind != "wheel" else None
     if target.kind == "wheel":
         lines.append(f"pinned base: patched wheel {getattr(target, 'dist_version', '?')} "
-                     f"of the base {base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]})")
+                     f"of the base {series.base.version} ({series.base.git_version[:12]})")
     elif problem:
         lines.append(f"pinned base: NO: {problem}")
     else:
-        lines.append(f"pinned base: yes ({base.BASE_VERSION}, {base.BASE_GIT_VERSION[:12]})")
+        lines.append(f"pinned base: yes ({series.base.version}, {series.base.git_version[:12]})")
     old = target.load_marker()
     if old is not None:
         lines.append(f"recorded:    {markers.describe(old)} ({old.get('kind')})")

@@ -1,4 +1,4 @@
-"""A PyTorch source tree (a v2.15.0 checkout or release tarball) as a target.
+"""A PyTorch source tree (a checkout or release tarball of the pinned base) as a target.
 
 The base is recognised by ``version.txt`` and, in a git checkout, by ``HEAD``
 being the pinned commit. A tree without ``.git`` is recognised by
@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-from . import base, fsutil, marker as markers
+from . import fsutil, marker as markers
+from .base import Base
 from .errors import TorchPatchesError
 from .patching import Files
 from .target import Target
@@ -44,16 +45,20 @@ class SourceTree(Target):
         lines.append(f"commit:  {self.head}" if self.head else "commit:  (not a git checkout)")
         return lines
 
-    def base_problem(self) -> Optional[str]:
+    @property
+    def base_version(self) -> str:
+        return self.version
+
+    def base_problem(self, base: Base) -> Optional[str]:
         if not self.version:
             return f"{self.root} has no version.txt; is it a PyTorch source tree?"
-        if self.version != base.BASE_VERSION:
-            return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.BASE_VERSION}; "
-                    f"check out v{base.BASE_VERSION}")
-        if self.head is not None and self.head != base.BASE_GIT_VERSION:
+        if self.version != base.version:
+            return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.version}; "
+                    f"check out v{base.version}")
+        if self.head is not None and self.head != base.git_version:
             return (f"{self.root} is at commit {self.head[:12]}, not the pinned base "
-                    f"{base.BASE_GIT_VERSION[:12]} (v{base.BASE_VERSION}); "
-                    f"run `git -C {self.root} checkout v{base.BASE_VERSION}`")
+                    f"{base.git_version[:12]} (v{base.version}); "
+                    f"run `git -C {self.root} checkout v{base.version}`")
         return None
 
     def is_unmodified(self, files: Files) -> bool:

@@ -209,9 +209,3 @@ def find_retired(series: Series, base_files: Files) -> Dict[str, str]:
             break
         retired[patch.name] = reason
     return retired
-
-
-def without(series: Series, names) -> Series:
-    """``series`` minus the patches named in ``names`` (same directory and revision)."""
-    return Series(directory=series.directory, revision=series.revision,
-                  patches=[p for p in series.patches if p.name not in names])

@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from .base import Base
 from .patching import Files
 
 
@@ -63,8 +64,13 @@ class Target:
         """Lines for ``status``: where, which torch version and commit."""
         raise NotImplementedError
 
-    def base_problem(self) -> Optional[str]:
-        """Why this is not the pinned base torch (``None``: it is)."""
+    @property
+    def base_version(self) -> str:
+        """The public torch version this target holds (picks the shipped series)."""
+        raise NotImplementedError
+
+    def base_problem(self, base: Base) -> Optional[str]:
+        """Why this is not the pinned ``base`` torch (``None``: it is)."""
         raise NotImplementedError
 
     def load_marker(self) -> Optional[dict]:

@@ -1,4 +1,4 @@
-"""Build the patched wheel ``torch-2.15.0+fsdp.N-<tags>.whl`` from the base wheel.
+"""Build the patched wheel ``torch-<base>+fsdp.N-<tags>.whl`` from the base wheel.
 
 Only the patched files, ``torch/version.py``, ``METADATA``, ``RECORD`` and the
 series marker are written anew; every other member is raw-copied (see
@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import base, marker as markers
+from . import marker as markers
 from .errors import PatchApplyError, TorchPatchesError
 from .record import Record, record_hash
 from .series import Series
@@ -61,7 +61,7 @@ def set_version_py(data: bytes, version: str) -> bytes:
 
 
 def output_name(base_name: str, version: str) -> str:
-    """``torch-2.15.0-cp311-...whl`` -> ``torch-<version>-cp311-...whl``."""
+    """``torch-<base>-cp311-...whl`` -> ``torch-<version>-cp311-...whl``."""
     m = _WHEEL_RE.match(base_name)
     if not m:
         raise TorchPatchesError(f"{base_name} is not a wheel file name")
@@ -99,11 +99,12 @@ def build_wheel(base_wheel: os.PathLike, out_dir: os.PathLike, series: Series,
         meta = read(f"{old_di}/METADATA")
         version_py = read("torch/version.py") if "torch/version.py" in names else b""
         values = read_version_py(version_py)
-        if _metadata_version(meta) != base.BASE_VERSION or values.get("git_version") != base.BASE_GIT_VERSION:
+        base = series.base
+        if _metadata_version(meta) != base.version or values.get("git_version") != base.git_version:
             raise TorchPatchesError(
                 f"{base_wheel.name} is torch {_metadata_version(meta)} "
                 f"(commit {str(values.get('git_version', '?'))[:12]}), not the pinned base "
-                f"{base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]}); nothing was written", 3)
+                f"{base.short}; nothing was written", 3)
         _say(progress, f"base:   {base_wheel} ({base_wheel.stat().st_size / 1e6:.0f} MB, {len(entries)} members)")
         name_set = set(names)
         pristine = {p: (read(p) if p in name_set else None) for p in series.paths}

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from tooling import API, STATE, edit, load, run_cli, tree_digest, unified, write_patch, write_series
-from torch_patches import base, export as ex, ops
-from torch_patches.installed import BASE_PREFIXES, run_locate
+from tooling import API, BASE, STATE, edit, load, run_cli, tree_digest, unified, write_patch, write_series
+from torch_patches import export as ex, ops
+from torch_patches.installed import run_locate
 from torch_patches.onto import check_onto
 from torch_patches.record import Record
 from torch_patches.state import RETIRED, apply_series, retired_reason
@@ -55,7 +55,7 @@ def _git(tree, *args):
 
 def _base_files(pristine_site):
     return {str(p.relative_to(pristine_site)): p.read_bytes()
-            for prefix in BASE_PREFIXES for p in (pristine_site / prefix).rglob("*.py")}
+            for prefix in BASE.prefixes for p in (pristine_site / prefix).rglob("*.py")}
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_export_stack_applies_with_git_am(pristine_site, stack, tmp_path):
     pr = (out / "203177" / "PR.md").read_text()
     assert pr.startswith("# [FSDP2] Add policy\n") and "Fixes #203177" in pr
     assert "## Summary" in pr and "## Test Plan" in pr and f"python {POLICY_TEST}" in pr
-    assert base.BASE_GIT_VERSION[:12] in pr and "2.15.0" in pr
+    assert BASE.git_version[:12] in pr and BASE.version in pr
     assert "Not run by the export" in pr  # nothing invented
     pr2 = (out / "203176" / "PR.md").read_text()
     assert "Fixes #203176" in pr2 and "Stacked on #203177" in pr2 and "Tests missing" in pr2
@@ -212,7 +212,7 @@ def _tree_from_site(fake_python, tmp_path):
     info = run_locate(fake_python)
     site = os.path.dirname(os.path.dirname(info["torch_init"]))
     tree = tmp_path / "onto"
-    for prefix in BASE_PREFIXES:
+    for prefix in BASE.prefixes:
         shutil.copytree(os.path.join(site, prefix), tree / prefix)
     return tree
 
@@ -246,8 +246,7 @@ def test_retired_patch_is_skipped(site, fake_python, two_patches):
 
 
 def load_first(series):
-    from torch_patches.series import Series
-    return Series(series.directory, series.patches[:1], series.revision)
+    return series.without([p.name for p in series.patches[1:]])
 
 
 def test_every_patch_retired(site, fake_python, one_patch):

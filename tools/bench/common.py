@@ -53,11 +53,10 @@ def has_series_api() -> bool:
 
 
 def pipelining_patch_in_series(repo: Path) -> bool:
-    series = repo / "torch_patches" / "patches" / "series"
-    if not series.exists():
-        return False
-    return any("pipelin" in line.lower() for line in series.read_text().splitlines()
-               if line.strip() and not line.startswith("#"))
+    sys.path.insert(0, str(repo))
+    from torch_patches.series import default_series_dir, read_series_file
+
+    return any("pipelin" in name.lower() for name in read_series_file(default_series_dir()).names)
 
 
 # --------------------------------------------------------------------------- model
