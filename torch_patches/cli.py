@@ -30,9 +30,9 @@ def _series(args, target=None):
 
 def _target(args):
     if getattr(args, "source", None):
-        from .source import SourceTree
+        from .targets.source import SourceTree
         return SourceTree(args.source)
-    from .installed import locate
+    from .targets.installed import locate
     return locate(getattr(args, "python", None))
 
 
@@ -68,8 +68,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_wheel(args) -> int:
-    from .fetch import obtain_base_wheel
-    from .wheel import build_wheel, verify_wheel
+    from .wheel.fetch import obtain_base_wheel
+    from .wheel.build import build_wheel, verify_wheel
     started = time.monotonic()
     series = _series(args)
     base_wheel = args.base or obtain_base_wheel(args.python, series.base, progress=_progress)
@@ -87,16 +87,16 @@ def cmd_wheel(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from . import export as ex
-    from .installed import pristine_base_files
-    from .onto import check_onto
+    from .upstream import export as ex
+    from .targets.installed import pristine_base_files
+    from .upstream.onto import check_onto
     series = _series(args)
     repo = Path(args.repo).resolve()
     results = ex.load_results(args.results)
     if args.run_tests:
         results_file = Path(args.results or Path(args.output) / "test-results.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
-        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base,
+        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
                                progress=_progress)
     base_files = pristine_base_files(args.python, series.base, ex.base_prefixes(series))
     result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)

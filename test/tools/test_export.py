@@ -8,9 +8,10 @@ import textwrap
 import pytest
 
 from tooling import API, BASE, STATE, edit, load, run_cli, tree_digest, unified, write_patch, write_series
-from torch_patches import export as ex, ops
-from torch_patches.installed import run_locate
-from torch_patches.onto import check_onto
+from torch_patches import ops
+from torch_patches.upstream import export as ex
+from torch_patches.targets.installed import run_locate
+from torch_patches.upstream.onto import check_onto
 from torch_patches.record import Record
 from torch_patches.state import RETIRED, apply_series, retired_reason
 from torch_patches.series import parse_patch

@@ -1,11 +1,9 @@
 """apply / revert / status on an installed torch (a fake site-packages copy)."""
 
 import json
-import os
 import re
 import stat
 
-import pytest
 
 from tooling import (API, BASE, DI, FSDP_INIT, NEW_FILE, REVISION, STATE, edit, empty_series_dir, run_cli,
                      tree_digest, unified, write_manifest, write_patch, write_series)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tooling import API, BASE, DI, NEW_FILE, REVISION, TOUCHED_DIRS, empty_series_dir, run_cli
-from torch_patches.fetch import pip_env, wheel_tags
+from torch_patches.wheel.fetch import pip_env, wheel_tags
 from torch_patches.record import record_hash
-from torch_patches.wheel import output_name, verify_wheel
+from torch_patches.wheel.build import output_name, verify_wheel
 
 BASE_NAME = f"torch-{BASE.version}-py3-none-any.whl"
 PATCHED = BASE.patched_version(REVISION)
@@ -135,7 +135,7 @@ def test_names_and_tags():
 
 
 def _real_base_wheel():
-    from torch_patches.fetch import cache_dir
+    from torch_patches.wheel.fetch import cache_dir
     candidates = [os.environ.get("TORCH_PATCHES_REAL_WHEEL", "")]
     candidates += [str(p) for p in sorted(cache_dir().glob(f"torch-{BASE.version}-*.whl"))]
     return next((Path(c) for c in candidates if c and Path(c).is_file()), None)

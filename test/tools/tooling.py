@@ -25,8 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from torch_patches import ops  # noqa: E402
-from torch_patches.errors import TorchPatchesError  # noqa: E402
-from torch_patches.installed import InstalledTorch, run_locate  # noqa: E402
+from torch_patches.targets.installed import InstalledTorch, run_locate  # noqa: E402
 from torch_patches.patching import git_blob_id  # noqa: E402
 from torch_patches.series import MANIFEST_NAME, default_series_dir, read_manifest  # noqa: E402
 

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .base import Base
-from .errors import TorchPatchesError
+from ..base import Base
+from ..errors import TorchPatchesError
 
 _TAGS = r"""
 import json

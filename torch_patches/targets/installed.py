@@ -8,19 +8,19 @@ torch, so the CLI runs from any Python 3.10+.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
-from . import fsutil, marker as markers
-from .base import Base, public_version
-from .errors import TorchPatchesError
-from .patching import Files
-from .record import Record, record_hash
-from .target import Target, read_version_py
+from ..base import Base, public_version
+from ..distinfo import metadata_headers, read_version_py
+from ..errors import TorchPatchesError
+from ..files import Files
+from ..marker import MARKER_NAME, Marker
+from ..record import Record
+from . import Target
 
 _LOCATE = r"""
 import importlib.util, json, os, sys
@@ -48,17 +48,11 @@ def run_locate(python: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _metadata_field(path: Path, name: str) -> str:
+def _metadata(path: Path) -> Dict[str, str]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.strip():
-                    break
-                if line.lower().startswith(name.lower() + ":"):
-                    return line.split(":", 1)[1].strip()
+        return metadata_headers(path.read_bytes())
     except OSError:
-        pass
-    return ""
+        return {}
 
 
 class InstalledTorch(Target):
@@ -73,18 +67,22 @@ class InstalledTorch(Target):
                 f"{python} has no torch installed; install the torch release the series is pinned to first")
         self.torch_dir = Path(info["torch_init"]).parent
         self.root = self.torch_dir.parent
-        found = [d for d in sorted(self.root.glob("torch-*.dist-info"))
-                 if _metadata_field(d / "METADATA", "Name").lower() == "torch"]
+        found = {}
+        for d in sorted(self.root.glob("torch-*.dist-info")):
+            meta = _metadata(d / "METADATA")
+            if meta.get("name", "").lower() == "torch":
+                found[d] = meta
         if len(found) > 1:
             raise TorchPatchesError(
                 f"{self.root} holds several torch dist-info directories "
                 f"({', '.join(d.name for d in found)}); reinstall torch")
-        self.dist_info = found[0] if found else None
-        self.dist_version = _metadata_field(self.dist_info / "METADATA", "Version") if self.dist_info else ""
+        self.dist_info = next(iter(found), None)
+        self.dist_version = found[self.dist_info].get("version", "") if self.dist_info else ""
         self.version_py = read_version_py(self.read("torch/version.py") or b"")
+        self._record: Optional[Record] = None
         # A torch installed from our patched wheel carries the wheel's marker.
         marker = self.load_marker()
-        self.kind = "wheel" if marker is not None and marker.get("kind") == "wheel" else "installed"
+        self.kind = "wheel" if marker is not None and marker.kind == "wheel" else "installed"
 
     # -- identity --------------------------------------------------------------
     @property
@@ -120,77 +118,50 @@ class InstalledTorch(Target):
 
     # -- marker / RECORD ---------------------------------------------------------
     @property
-    def marker_rel(self) -> str:
-        return f"{self.dist_info.name}/{markers.MARKER_NAME}"
+    def marker_rel(self) -> Optional[str]:
+        return f"{self.dist_info.name}/{MARKER_NAME}" if self.dist_info is not None else None
 
     @property
     def record_rel(self) -> str:
+        assert self.dist_info is not None
         return f"{self.dist_info.name}/RECORD"
 
-    def load_marker(self) -> Optional[dict]:
-        if self.dist_info is None:
-            return None
-        data = self.read(self.marker_rel)
-        return None if data is None else markers.loads(data, str(self.root / self.marker_rel))
-
     def record(self) -> Record:
-        data = self.read(self.record_rel)
-        if data is None:
-            raise TorchPatchesError(f"{self.root / self.record_rel} is missing; reinstall torch")
-        return Record(data.decode("utf-8"))
-
-    def pristine_record(self) -> Record:
-        """RECORD as it was before any in-place apply."""
-        rec = self.record()
-        old = self.load_marker()
-        if old is not None and old.get("kind") == "installed":
-            rec.undo(old.get("record", {}))
-            rec.update({self.marker_rel: None})
-        return rec
+        """RECORD as pip left it before any in-place apply (read and parsed once per target)."""
+        if self._record is None:
+            data = self.read(self.record_rel)
+            if data is None:
+                raise TorchPatchesError(f"{self.root / self.record_rel} is missing; reinstall torch")
+            rec = Record(data.decode("utf-8"))
+            old = self.load_marker()
+            if old is not None and old.kind == "installed":
+                rec.undo(old.record_undo)
+                rec.update({self.marker_rel: None})
+            self._record = rec
+        return self._record
 
     def verify_pristine(self, pristine: Files) -> List[str]:
-        rec = self.pristine_record()
-        problems = []
-        for path, data in pristine.items():
-            row = rec.get(path)
-            if data is None:
-                if row is not None:
-                    problems.append(f"{path} is listed in RECORD but missing")
-            elif row is None:
-                problems.append(f"{path} is not listed in the torch RECORD")
-            elif row[0] != record_hash(data):
-                problems.append(f"{path} does not match its RECORD hash (modified after install?)")
-        return problems
+        return [f"{problem} (modified after install?)" for problem in self.record().verify(pristine, pristine.get)]
 
     def is_unmodified(self, files: Files) -> bool:
         # The RECORD pip wrote (before any in-place apply) vouches for them.
         return self.dist_info is not None and not self.verify_pristine(files)
 
-    def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
-        current = self.read_all(set(pristine) | set(new or {}))
-        rec = self.pristine_record()
-        changes: Files = {}
-        mtimes = None
+    def bookkeeping(self, pristine: Files, new: Optional[Files], marker: Optional[Marker]) -> Files:
+        """The marker and RECORD: RECORD lists the patched files' hashes and the marker."""
+        rec = self.record().copy()
+        changes = super().bookkeeping(pristine, new, marker)
         if new is not None:
+            assert marker is not None and self.marker_rel is not None
             undo = rec.update({p: new[p] for p in new if new[p] != pristine.get(p)})
-            marker["record"] = undo
-            data = markers.dumps(marker)
+            data = marker.with_record_undo(undo).to_bytes()
             rec.update({self.marker_rel: data})
             changes[self.marker_rel] = data
-            target = new
-        else:
-            if self.read(self.marker_rel) is not None:
-                changes[self.marker_rel] = None
-            target = pristine
-            old = self.load_marker()
-            mtimes = markers.pristine_mtimes(old) if old else None
-        for path, data in target.items():
-            if current.get(path) != data:
-                changes[path] = data
         record_bytes = rec.text().encode("utf-8")
         if record_bytes != self.read(self.record_rel):
             changes[self.record_rel] = record_bytes
-        fsutil.write_files(self.root, changes, mtimes=mtimes)
+        self._record = None
+        return changes
 
 
 def locate(python: Optional[str] = None) -> InstalledTorch:
@@ -215,15 +186,14 @@ def pristine_base_files(python: Optional[str], base: Base, prefixes=None) -> Fil
     problem = target.base_problem(base)
     if problem:
         raise TorchPatchesError(problem)
-    record = target.pristine_record()
-    rels = [p for p, _, _ in record.rows() if p.startswith(prefixes) and p.endswith(".py")]
+    rels = [row.path for row in target.record().rows() if row.path.startswith(prefixes) and row.path.endswith(".py")]
     files = target.read_all(rels)
     old = target.load_marker()
     if old is not None:
-        changed = markers.changed_since(old, target.read_all(old["files"]))
+        changed = old.changed_since(target.read_all(old.files))
         if changed:
             raise TorchPatchesError(f"files changed after the series was applied: {', '.join(changed)}")
-        files.update({p: d for p, d in markers.pristine_files(old).items() if p in files})
+        files.update({p: d for p, d in old.pristine_files().items() if p in files})
     problems = target.verify_pristine(files)
     if problems:
         raise TorchPatchesError(

@@ -12,17 +12,19 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-from . import fsutil, marker as markers
-from .base import Base
-from .errors import TorchPatchesError
-from .patching import Files
-from .target import Target
+from ..base import Base
+from ..errors import TorchPatchesError
+from ..files import Files
+from ..marker import SOURCE_MARKER_NAME
+from . import Target
 
 
 class SourceTree(Target):
     """Files at their repo paths under ``root``."""
 
     kind = "source"
+    packaged_only = False  # a checkout has docs/ too
+    marker_rel = SOURCE_MARKER_NAME
 
     def __init__(self, root):
         self.root = Path(root).resolve()
@@ -63,26 +65,8 @@ class SourceTree(Target):
 
     def is_unmodified(self, files: Files) -> bool:
         """In a git checkout: the files are committed at ``HEAD`` and unedited."""
-        if not self.head or self.head == "?" or self.read(markers.SOURCE_MARKER_NAME) is not None:
+        if not self.head or self.head == "?" or self.read(SOURCE_MARKER_NAME) is not None:
             return False
         proc = subprocess.run(["git", "-C", str(self.root), "status", "--porcelain", "--", *files],
                               capture_output=True, text=True, timeout=120)
         return proc.returncode == 0 and not proc.stdout.strip()
-
-    def load_marker(self) -> Optional[dict]:
-        data = self.read(markers.SOURCE_MARKER_NAME)
-        return None if data is None else markers.loads(data, str(self.root / markers.SOURCE_MARKER_NAME))
-
-    def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
-        current = self.read_all(set(pristine) | set(new or {}))
-        target = new if new is not None else pristine
-        changes: Files = {p: d for p, d in target.items() if current.get(p) != d}
-        mtimes = None
-        if new is not None:
-            changes[markers.SOURCE_MARKER_NAME] = markers.dumps(marker)
-        else:
-            if self.read(markers.SOURCE_MARKER_NAME) is not None:
-                changes[markers.SOURCE_MARKER_NAME] = None
-            old = self.load_marker()
-            mtimes = markers.pristine_mtimes(old) if old else None
-        fsutil.write_files(self.root, changes, mtimes=mtimes)

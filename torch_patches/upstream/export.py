@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .base import Base
-from .errors import TorchPatchesError
-from .patching import Files
-from .series import Patch, Series, Tracker
+from ..errors import TorchPatchesError
+from ..files import Files
+from ..series import NESTED_PATCH_NAME, Patch, Series, Tracker, read_series_file
+from . import gitstack
+from .gitstack import git
 
 ISSUE_URL = "https://github.com/pytorch/pytorch/issues/"
 _BUG_RE = re.compile(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)")
@@ -50,8 +51,6 @@ HELPER_MODULE = "fsdp_lifecycle_testing"
 HELPER_UPSTREAM = "torch/testing/_internal/common_fsdp_lifecycle.py"
 HELPER_UPSTREAM_MODULE = "torch.testing._internal.common_fsdp_lifecycle"
 
-_FORMAT_PATCH = ("format-patch", "-q", "--no-signature", "--zero-commit", "--full-index", "--no-renames",
-                 "--numbered")
 _EXPORT_HEADER = "# torch-patches export:"
 
 
@@ -69,6 +68,16 @@ class Group:
     @property
     def number(self) -> int:
         return self.tracker.number
+
+    @property
+    def key(self) -> str:
+        """The PR's directory and tag name: the issue number, or ``new-NNNN`` without a tracker."""
+        return str(self.number) if self.number else f"new-{self.patches[0].name[:4]}"
+
+    @property
+    def ref(self) -> str:
+        """How messages name the PR: ``#N``, or the patch without a tracker."""
+        return f"#{self.number}" if self.number else f"{self.patches[0].name} (no tracker yet)"
 
     @property
     def title(self) -> str:
@@ -91,22 +100,27 @@ def base_prefixes(series: Series) -> Tuple[str, ...]:
 
 
 def tracker_number(patch: Patch) -> int:
-    """The pytorch/pytorch issue number of ``patch``'s DEP-3 ``Bug:`` field."""
-    m = _BUG_RE.search(patch.dep3.get("Bug", ""))
-    if not m:
-        raise TorchPatchesError(
-            f"{patch.name} has no pytorch/pytorch issue in its DEP-3 Bug: field "
-            f"({patch.dep3.get('Bug', 'missing')!r}); export groups patches by it")
-    return int(m.group(1))
+    """The pytorch/pytorch issue number of ``patch``'s DEP-3 ``Bug:`` field; ``0`` for
+    ``Bug: none yet`` (a new concern without an upstream issue)."""
+    bug = patch.dep3.get("Bug", "")
+    m = _BUG_RE.search(bug)
+    if m:
+        return int(m.group(1))
+    if bug.strip().lower().startswith("none"):
+        return 0
+    raise TorchPatchesError(
+        f"{patch.name} has no pytorch/pytorch issue in its DEP-3 Bug: field ({bug or 'missing'!r}); "
+        "export groups patches by it (write `Bug: none yet` for a concern without a tracker)")
 
 
 def group_series(series: Series) -> List[Group]:
-    """Patches grouped by tracker, in order of first appearance in the series."""
-    groups: Dict[int, Group] = {}
+    """Patches grouped by tracker, in order of first appearance in the series; each
+    patch without a tracker is a PR of its own."""
+    groups: Dict[object, Group] = {}
     for patch in series.patches:
         n = tracker_number(patch)
-        tracker = series.manifest.tracker(n) or Tracker(n, "", f"#{n}")
-        groups.setdefault(n, Group(tracker)).patches.append(patch)
+        tracker = series.manifest.tracker(n) or Tracker(n, "", f"#{n}" if n else patch.subject)
+        groups.setdefault(n or patch.name, Group(tracker)).patches.append(patch)
     return list(groups.values())
 
 
@@ -162,14 +176,14 @@ def collect_tests(groups: List[Group], repo: Path, series: Series) -> List[str]:
     warnings, helper_done = [], False
     for group in groups:
         if series.manifest.tracker(group.number) is None:
-            warnings.append(f"#{group.number}: no line in [trackers] of {series.directory}/manifest.ini; "
+            warnings.append(f"{group.ref}: no line in [trackers] of {series.directory}/manifest.ini; "
                             "exported without tests")
             continue
         for rel in group.tracker.tests:
             path = repo / rel
             if not path.is_file():
                 group.missing_tests.append(rel)
-                warnings.append(f"#{group.number}: test file {rel} does not exist; "
+                warnings.append(f"{group.ref}: test file {rel} does not exist; "
                                 "its PR is exported WITHOUT tests (not ready for review)")
                 continue
             text = path.read_text(encoding="utf-8")
@@ -253,25 +267,6 @@ def public_api(before: Files, after: Files) -> List[ApiEntry]:
 
 
 # -- the git stack ----------------------------------------------------------------
-def _git(tree: Path, *args: str, env: Optional[dict] = None) -> str:
-    proc = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
-                          env=dict(os.environ, **(env or {})))
-    if proc.returncode != 0:
-        raise TorchPatchesError(f"git {' '.join(args[:2])} failed:\n{(proc.stderr or proc.stdout).strip()}")
-    return proc.stdout
-
-
-def _identity(name: str, email: str, date: str) -> dict:
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": date,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": date}
-
-
-def _mail_header(patch: Patch, key: str) -> str:
-    text = patch.data.decode("utf-8", "replace")
-    m = re.search(rf"^{key}: (.*)$", text.split("\n\n", 1)[0], re.MULTILINE)
-    return m.group(1).strip() if m else ""
-
-
 def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     out: Files = {}
     for path in paths:
@@ -280,54 +275,30 @@ def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     return out
 
 
-def build_stack(tree: Path, base_files: Files, groups: List[Group], base: Base) -> None:
+def build_stack(tree: Path, base_files: Files, groups: List[Group], series: Series) -> None:
     """Create the scratch repository ``tree``: ``base``, then per tracker its
-    patches (``git am``) and a test commit, tagged ``pr-N``."""
-    tree.mkdir(parents=True)
-    for rel, data in base_files.items():
-        if data is not None:
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tree / rel).write_bytes(data)
-    _git(tree, "init", "-q")
-    _git(tree, "config", "core.autocrlf", "false")
-    _git(tree, "add", "-A")
-    fixed = _identity("PyTorch", "packages@pytorch.org", "2000-01-01T00:00:00+0000")
-    _git(tree, "commit", "-q", "-m",
-         f"torch {base.version} base ({base.git_version[:12]})\n\n"
-         f"Pristine sources of the torch {base.version} wheel. Upstream commit {base.git_version}.",
-         env=fixed)
-    _git(tree, "tag", "base")
+    patches (``git am``) and a test commit, tagged ``pr-<key>``."""
+    gitstack.init_base(tree, base_files, series.base)
     for group in groups:
-        with tempfile.TemporaryDirectory() as tmp:
-            paths = []
-            for i, patch in enumerate(group.patches):
-                p = Path(tmp) / f"{i:04d}.patch"
-                p.write_bytes(patch.data)
-                paths.append(str(p))
-            am_env = _identity("torch-patches export", "export@localhost", "2000-01-01T00:00:00+0000")
-            try:
-                _git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date", *paths, env=am_env)
-            except TorchPatchesError as exc:
-                subprocess.run(["git", "-C", str(tree), "am", "--abort"], capture_output=True)
-                raise TorchPatchesError(
-                    f"#{group.number}'s patches ({', '.join(p.name for p in group.patches)}) do not apply on "
-                    f"the trackers before it; reorder the series so each tracker's patches are contiguous.\n{exc}")
+        gitstack.am(tree, [p.data for p in group.patches],
+                    f"{group.ref}'s patches ({', '.join(p.name for p in group.patches)}) on the trackers "
+                    "before it (reorder the series so each tracker's patches are contiguous)")
         if group.tests:
             for rel, data in group.tests.items():
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
                 (tree / rel).write_bytes(data)
-            _git(tree, "add", "--", *group.tests)
+            git(tree, "add", "--", *group.tests)
             last = group.patches[-1]
-            author = _mail_header(last, "From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
+            author = last.mail_header("From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
             name, _, email = author.rpartition(" <")
-            env = _identity(name or author, email.rstrip(">"), _mail_header(last, "Date") or "2000-01-01")
+            env = gitstack.identity(name or author, email.rstrip(">"), last.mail_header("Date") or "2000-01-01")
             helper = (f"\n\nThe shared gloo/CPU test case and collective counter go to\n{HELPER_UPSTREAM}."
                       if HELPER_UPSTREAM in group.tests else "")
-            _git(tree, "commit", "-q", "-m",
-                 f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
-                 f"Multi-process tests (gloo on CPU) for #{group.number}.{helper}\n\n"
-                 f"Bug: {ISSUE_URL}{group.number}", env=env)
-        _git(tree, "tag", f"pr-{group.number}")
+            git(tree, "commit", "-q", "-m",
+                f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
+                f"Multi-process tests (gloo on CPU) for {group.ref}.{helper}\n\n"
+                f"Bug: {f'{ISSUE_URL}{group.number}' if group.number else 'none yet'}", env=env)
+        git(tree, "tag", f"pr-{group.key}")
 
 
 # -- PR description ----------------------------------------------------------------
@@ -361,10 +332,10 @@ def load_results(path: Optional[os.PathLike]) -> Dict[str, dict]:
 def pr_description(group: Group, groups: List[Group], series: Series, results: Dict[str, dict]) -> str:
     index = groups.index(group)
     before = groups[:index]
-    lines = [f"# {group.title}", "", f"Fixes #{group.number}", ""]
+    lines = [f"# {group.title}", ""] + ([f"Fixes #{group.number}", ""] if group.number else [])
     if before:
-        lines += [f"Stacked on {', '.join(f'#{g.number}' for g in before)}: apply "
-                  + ", then ".join(f"`../{g.number}/*.patch`" for g in before)
+        lines += [f"Stacked on {', '.join(g.ref for g in before)}: apply "
+                  + ", then ".join(f"`../{g.key}/*.patch`" for g in before)
                   + " first (`../series` lists the whole stack in order; "
                   "`git am --keep-non-patch` keeps the subject prefix).", ""]
     lines += ["## Summary", ""]
@@ -414,12 +385,12 @@ class ExportResult:
 def _prepare_out(out: Path) -> None:
     if out.exists() and any(out.iterdir()):
         series_file = out / "series"
-        first = series_file.read_text().splitlines()[0] if series_file.is_file() else ""
-        if not first.startswith(_EXPORT_HEADER):
+        header = read_series_file(out, NESTED_PATCH_NAME).header if series_file.is_file() else ()
+        if not header or not header[0].startswith(_EXPORT_HEADER):
             raise TorchPatchesError(f"{out} exists, is not empty and is not an earlier export; "
                                     "choose another -o DIR")
         for child in out.iterdir():
-            if child.is_dir() and child.name.isdigit():
+            if child.is_dir() and (child.name.isdigit() or child.name.startswith("new-")):
                 shutil.rmtree(child)
         series_file.unlink()
     out.mkdir(parents=True, exist_ok=True)
@@ -443,23 +414,22 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     order: List[str] = []
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
         tree = Path(tmp) / "pytorch"
-        build_stack(tree, base_files, groups, series.base)
+        build_stack(tree, base_files, groups, series)
         prev = "base"
         for group in groups:
-            tag = f"pr-{group.number}"
-            changed = [p for p in _git(tree, "diff", "--name-only", prev, tag).splitlines() if p]
-            all_py = [p for p in _git(tree, "ls-files").splitlines() if p.endswith(".py")]
+            tag = f"pr-{group.key}"
+            changed = [p for p in git(tree, "diff", "--name-only", prev, tag).splitlines() if p]
+            all_py = [p for p in git(tree, "ls-files").splitlines() if p.endswith(".py")]
             group.api = public_api(_read_tree(tree, prev, changed), {**_read_tree(tree, tag, changed),
                                    **_read_tree(tree, tag, [p for p in all_py if p.endswith("__init__.py")])})
             for entry in group.api:
                 if not entry.docstring:
-                    warnings.append(f"#{group.number}: {entry.name} has no docstring")
-            dest = out / str(group.number)
-            _git(tree, *_FORMAT_PATCH, "-o", str(dest), f"{prev}..{tag}")
-            group.files = sorted(p.name for p in dest.glob("*.patch"))
-            order += [f"{group.number}/{name}" for name in group.files]
+                    warnings.append(f"{group.ref}: {entry.name} has no docstring")
+            dest = out / group.key
+            group.files = [p.name for p in gitstack.format_patch(tree, f"{prev}..{tag}", dest)]
+            order += [f"{group.key}/{name}" for name in group.files]
             (dest / "PR.md").write_text(pr_description(group, groups, series, results or {}), encoding="utf-8")
-            progress(f"#{group.number}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
+            progress(f"{group.ref}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
             prev = tag
     (out / "series").write_text(
         f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {series.base.version} ({series.base.git_version[:12]}),\n"
@@ -469,7 +439,7 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     return ExportResult(out, groups, warnings, order)
 
 
-def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, base: Base,
+def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, base_version: str,
               progress: Callable[[str], None] = lambda _msg: None) -> Dict[str, dict]:
     """Run each exported tracker's tests from this checkout with ``python`` and record them.
 
@@ -487,7 +457,7 @@ def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, 
             tail = "\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-15:])
             results[rel] = {"command": f"{python} {rel}", "returncode": proc.returncode, "output": tail,
                             "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base.version} "
+                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base_version} "
                                      "with the series applied"}
             progress(f"  exit {proc.returncode}")
     results_file.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
