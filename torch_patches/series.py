@@ -158,7 +158,7 @@ class Patch:
 
     name: str
     data: bytes = field(repr=False)
-    subject: str = ""  # without the "[PATCH n/m]" prefix
+    subject: str = ""  # without the "[PATCH]" (or "[PATCH n/m]") prefix
     dep3: Mapping[str, str] = field(default_factory=dict)
     files: Tuple[FilePatch, ...] = ()
 

@@ -281,3 +281,19 @@ def test_retired_by_public_api():
     assert retired_reason(patch, {"m.py": old}) is None  # it applies: live
     assert retired_reason(patch, {"m.py": b"class B:\n    pass\n"}) is None  # conflict, not retired
     assert ops.RETIRED == RETIRED == "retired"
+
+
+def test_patch_without_tracker_is_its_own_pr(pristine_site, stack, tmp_path):
+    series, repo = stack
+    d = series.directory
+    p2 = d / "0002-partial.patch"
+    p2.write_text(p2.read_text().replace("Bug: https://github.com/pytorch/pytorch/issues/203176", "Bug: none yet"))
+    out = tmp_path / "upstream"
+    result = ex.export(load(d), _base_files(pristine_site), out, repo)
+    assert [g.key for g in result.groups] == ["203177", "new-0002"]
+    pr = (out / "new-0002" / "PR.md").read_text()
+    assert "Fixes #" not in pr and "Stacked on #203177" in pr
+    assert [line.split("/")[0] for line in (out / "series").read_text().splitlines()
+            if not line.startswith("#")] == ["203177", "203177", "new-0002"]
+    patch = next((out / "new-0002").glob("*.patch")).read_text()
+    assert "Subject: [PATCH] [FSDP2] Add partial" in patch  # no n/m: adding a patch rewrites nothing else

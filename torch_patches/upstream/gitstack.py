@@ -24,9 +24,10 @@ from ..series import parse_patch
 
 FIXED_DATE = "2000-01-01T00:00:00+0000"
 #: ``git format-patch`` flags of the series: no signature, zero commit ids, full
-#: blob ids (the applier checks pre-images by them), no rename detection.
+#: blob ids (the applier checks pre-images by them), no rename detection, and
+#: ``Subject: [PATCH]`` without ``n/m``, so adding a patch rewrites no other file.
 FORMAT_PATCH = ("format-patch", "-q", "--no-signature", "--zero-commit", "--full-index", "--no-renames",
-                "--numbered")
+                "--no-numbered")
 #: The longest slug in ``NNNN-<slug>.patch`` (git's own limit cuts mid-word).
 SLUG_MAX = 52
 
