@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from torch_patches.errors import TorchPatchesError  # noqa: E402
 from torch_patches.series import (MANIFEST_NAME, default_series_dir, load_series,  # noqa: E402
                                   parse_patch, read_manifest, read_series_file, write_series_file)
-from torch_patches.targets.installed import pristine_base_files  # noqa: E402
+from torch_patches.targets.pristine import pristine_base_files  # noqa: E402
 from torch_patches.upstream.gitstack import am, format_patch, git, init_base  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def cmd_init(args) -> None:
     if tree.exists() and any(tree.iterdir()):
         raise TorchPatchesError(f"{tree} exists and is not empty")
     series = load_series(args.series)
-    files = pristine_base_files(args.python, series.base)
+    files = pristine_base_files(series, args.python, args.source)
     print(f"init: {len(files)} pristine files from torch {series.base.version} -> {tree}")
     init_base(tree, files, series.base)
     if series.patches:
@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--python", metavar="PY", help="interpreter with the pinned torch (default: this one)")
     p.add_argument("--series", metavar="DIR", help="series to apply (default: the shipped one)")
+    p.add_argument("--source", metavar="DIR", help="source checkout of the base, for files an installed torch "
+                   "does not hold (docs/) that the series changes")
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("export", help="regenerate the patch files and series from base..HEAD")
     p.add_argument("dir")

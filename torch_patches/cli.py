@@ -88,7 +88,7 @@ def cmd_export(args) -> int:
     from pathlib import Path
 
     from .upstream import export as ex
-    from .targets.installed import pristine_base_files
+    from .targets.pristine import pristine_base_files
     from .upstream.onto import check_onto
     series = _series(args)
     repo = Path(args.repo).resolve()
@@ -98,7 +98,7 @@ def cmd_export(args) -> int:
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
                                progress=_progress)
-    base_files = pristine_base_files(args.python, series.base, ex.base_prefixes(series))
+    base_files = pristine_base_files(series, args.python, args.source, ex.base_prefixes(series))
     result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)
     for warning in result.warnings:
         print(f"warning: {warning}")
@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory (default: upstream)")
     p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
     p.add_argument("--python", metavar="PY", help=f"interpreter whose {pinned} gives the pristine base files")
+    p.add_argument("--source", metavar="DIR", help="source checkout of the base, for the files an installed "
+                   "torch does not hold (docs/) that the series changes")
     p.add_argument("--repo", metavar="DIR", default=".",
                    help="torch-fsdp-lifecycle checkout holding test/ (default: the current directory)")
     p.add_argument("--results", metavar="FILE", help="recorded test results (JSON) for the Test Plan")

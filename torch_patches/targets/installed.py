@@ -168,36 +168,3 @@ def locate(python: Optional[str] = None) -> InstalledTorch:
     """The torch of interpreter ``python`` (default: this one)."""
     python = python or sys.executable
     return InstalledTorch(python, run_locate(python))
-
-
-def pristine_base_files(python: Optional[str], base: Base, prefixes=None) -> Files:
-    """``{repo path: bytes}`` of the base's ``.py`` files under ``prefixes``, RECORD-verified.
-
-    ``prefixes`` defaults to the manifest's ``base.prefixes``. If that torch was patched in
-    place with this tool, the pristine copies its marker keeps are used; a torch
-    edited by hand is refused. Shared by ``tools/devtree.py`` and ``export``.
-    """
-    prefixes = tuple(prefixes or base.prefixes)
-    target = locate(python)
-    if target.kind == "wheel":
-        raise TorchPatchesError(
-            f"torch {target.dist_version} was installed from a patched wheel; its pristine files are "
-            f"not available. Use an interpreter with torch=={base.version} (--python PY).")
-    problem = target.base_problem(base)
-    if problem:
-        raise TorchPatchesError(problem)
-    rels = [row.path for row in target.record().rows() if row.path.startswith(prefixes) and row.path.endswith(".py")]
-    files = target.read_all(rels)
-    old = target.load_marker()
-    if old is not None:
-        changed = old.changed_since(target.read_all(old.files))
-        if changed:
-            raise TorchPatchesError(f"files changed after the series was applied: {', '.join(changed)}")
-        files.update({p: d for p, d in old.pristine_files().items() if p in files})
-    problems = target.verify_pristine(files)
-    if problems:
-        raise TorchPatchesError(
-            f"the torch of {target.executable} does not match its RECORD (edited in place?):\n  "
-            + "\n  ".join(problems[:10])
-            + f"\nUse an interpreter with an unmodified torch=={base.version} (--python PY).")
-    return files

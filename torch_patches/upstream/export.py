@@ -93,9 +93,11 @@ class ApiEntry:
 
 
 def base_prefixes(series: Series) -> Tuple[str, ...]:
-    """The base trees to export from: the manifest's prefixes plus any other directory the series touches."""
+    """The installed base trees to export from: the manifest's prefixes plus any other
+    packaged directory the series touches (``docs/`` comes from ``--source``)."""
     prefixes = series.base.prefixes
-    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths if not p.startswith(prefixes)}
+    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths
+             if not p.startswith(prefixes) and series.base.is_packaged(p)}
     return tuple(prefixes) + tuple(sorted(extra))
 
 
