@@ -1,7 +1,9 @@
 """
 Shared pieces of the benchmarks in ``tools/bench``: a tiny decoder-only LM
-whose forward stops before ``lm_head``, the FSDP/HSDP layouts, the four step
-methods compared, a collective counter and a fork-based gloo launcher.
+whose forward stops before ``lm_head`` (and its pipeline stages), the FSDP/HSDP
+layouts with the size of each FSDP group, the four step methods compared, and
+a fork-based gloo launcher. Collectives are counted by :mod:`counting`, result
+files written by :mod:`results` and tables rendered by :mod:`render`.
 
 The four methods (one optimizer step = ``M`` microbatches; gradients are
 reduced on the last one only, the caller's policy for the others is "no
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -39,24 +40,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-HEADS = ("separate", "grouped", "tied")
-METHOD_NAMES = {
-    "a": "series API (partial_backward + fsdp_policy)",
-    "b": "torchtitan ChunkedLossWrapper",
-    "c": "2.15.0 + restoring wrapper",
-    "d": "full logits (no chunking)",
-}
+from render import HEADS  # noqa: F401  (one list of heads for the scripts and the tables)
+
 
 
 def has_series_api() -> bool:
     return hasattr(FSDPModule, "partial_backward") and hasattr(FSDPModule, "fsdp_policy")
-
-
-def pipelining_patch_in_series(repo: Path) -> bool:
-    sys.path.insert(0, str(repo))
-    from torch_patches.series import default_series_dir, read_series_file
-
-    return any("pipelin" in name.lower() for name in read_series_file(default_series_dir()).names)
 
 
 # --------------------------------------------------------------------------- model
@@ -116,13 +105,38 @@ def make_mesh(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
-# --------------------------------------------------------------------------- counting
+def group_label(model: TinyLM):
+    """``label_of(param_group)`` for :meth:`counting.CallLog.count`: ``head`` (the group holding
+    ``lm_head``), ``layer`` (a decoder block) or ``root``."""
+    def label_of(group) -> str:
+        modules = getattr(group, "modules", ())
+        if any(m is model.lm_head for m in modules):
+            return "head"
+        if any(isinstance(m, Block) for m in modules):
+            return "layer"
+        return "root"
+
+    return label_of
 
 
-# The test suite's counter: the same wrapping of all_gather_single,
-# reduce_scatter_single and all_reduce, with bytes as this rank's buffer sizes
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "distributed"))
-from fsdp_lifecycle_testing import CollectiveCounter  # noqa: E402,F401
+class Stage(nn.Module):
+    """A pipeline stage cut from a :class:`TinyLM`: embeddings on the first, norm and head on the last."""
+
+    def __init__(self, model: TinyLM, layer_ids, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        # The chunked loss applies the head; forward stops before it
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.norm(x) if self.norm is not None else x
+
 
 # --------------------------------------------------------------------------- steps
 
@@ -242,11 +256,3 @@ def launch(fn, world_size: int, *args):
                 return json.loads(path.read_text())
             return {"error": f"{type(e).__name__}: {e}"}
         return json.loads(Path(tmp, "result.json").read_text())
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in r] for r in [headers, *rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)

@@ -14,7 +14,6 @@ Timing on a shared machine is noisy: read the ratios, not the absolute times.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import render  # noqa: E402
+import results  # noqa: E402
 
 
 def run(rank, world_size, args, methods):
@@ -72,7 +73,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-torchtitan", action="store_true", help="skip method b")
+    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
+    load_before = results.load()
     if not common.has_series_api():
         sys.exit("step_time.py needs the patched torch (method a)")
     methods = ["a", "b", "d"]
@@ -91,11 +94,10 @@ def main() -> None:
     times = common.launch(run, 2, args, methods)
     if "error" in times:
         sys.exit(times["error"])
-    med = {m: statistics.median(t) for m, t in times.items()}
-    rows = [[f"{m} {common.METHOD_NAMES[m]}", f"{med[m] * 1000:.1f}",
-             f"{min(times[m]) * 1000:.1f}", f"{max(times[m]) * 1000:.1f}", f"{med[m] / med['a']:.2f}"]
-            for m in methods]
-    print(common.table(["method", "median ms/step", "min", "max", "median / a"], rows))
+    params = {k: getattr(args, k) for k in ("microbatches", "num_chunks", "vocab", "dim", "layers", "batch", "seq",
+                                            "head", "warmup", "steps")}
+    results.write(args.json, "step_time", params, times, load_before, torch.__version__)
+    print(render.step_time_table(times))
 
 
 if __name__ == "__main__":
