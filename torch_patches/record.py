@@ -30,7 +30,12 @@ class Row(NamedTuple):
 
 
 def _parse_line(line: str) -> Optional[Row]:
-    fields = next(csv.reader([line.rstrip("\r\n")]), [])
+    text = line.rstrip("\r\n")
+    if '"' not in text:  # csv quotes any field with a comma: split from the right
+        fields = text.rsplit(",", 2) if text else []
+        if len(fields) == 3:
+            return Row(fields[0], fields[1], fields[2])
+    fields = next(csv.reader([text]), [])
     if not fields:
         return None
     fields += [""] * (3 - len(fields))

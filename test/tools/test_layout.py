@@ -104,3 +104,28 @@ def test_slugs_end_at_a_word_boundary():
     assert slug(subject) == "FSDP2-Add-partial_backward-and-finish_forward-for"
     assert slug("[FSDP2] Add value-based FSDPPolicy with exact restore") == \
         "FSDP2-Add-value-based-FSDPPolicy-with-exact-restore"
+
+
+def test_readme_map_matches_the_tree():
+    """README "Where things live" names every module and sub-package, and nothing that is gone."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("### Where things live", 1)[1].split("```", 2)[1]
+    stack: list = []
+    named = set()
+    for line in block.splitlines():
+        if not line.strip() or not line.lstrip()[0].isalnum() and not line.lstrip().startswith(("test", "tools")):
+            continue
+        indent = (len(line) - len(line.lstrip())) // 2
+        token = line.split()[0]
+        if not (token.endswith("/") or "." in token):
+            continue
+        stack[indent:] = [token]
+        path = "".join(stack) if indent else token
+        named.add(path.rstrip("/"))
+        if "NNNN" not in path:
+            assert (REPO / path).exists(), f"README map names {path}, which does not exist"
+    for path in PACKAGE.iterdir():
+        if path.name in ("__init__.py", "__main__.py", "__pycache__"):
+            continue
+        assert any(n == f"torch_patches/{path.name}" or n.startswith(f"torch_patches/{path.name}/") for n in named), \
+            f"README map does not mention torch_patches/{path.name}"
