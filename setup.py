@@ -14,7 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
     python_requires=">=3.10",
-    packages=["torch_patches"],
+    packages=["torch_patches", "torch_patches.targets", "torch_patches.upstream", "torch_patches.wheel"],
     package_data={"torch_patches": ["patches/*/*"]},
     include_package_data=True,
     install_requires=[],

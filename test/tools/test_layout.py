@@ -129,3 +129,12 @@ def test_readme_map_matches_the_tree():
             continue
         assert any(n == f"torch_patches/{path.name}" or n.startswith(f"torch_patches/{path.name}/") for n in named), \
             f"README map does not mention torch_patches/{path.name}"
+
+
+def test_setup_packages_every_subpackage():
+    """``pip install .`` must ship every sub-package (run_tests.sh runs the installed CLI)."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    packages = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "packages"))
+    found = sorted(str(p.parent.relative_to(REPO)).replace("/", ".") for p in PACKAGE.rglob("__init__.py"))
+    assert sorted(packages) == found
