@@ -15,7 +15,8 @@ the base commit (tag ``base``), and applies the series with ``git am``.
 ``export`` runs ``git format-patch`` (the flags of
 :mod:`torch_patches.upstream.gitstack`) on ``base..HEAD``, names the files
 ``NNNN-slug.patch`` (slugs cut at a word boundary) and rewrites ``series``
-(keeping its comment header; the ``manifest.ini`` beside it is left alone). Commit messages keep the DEP-3 fields (``Bug:``,
+(keeping its comment header; the ``manifest.ini`` beside it is left alone).
+Commit messages keep the DEP-3 fields (``Bug:``,
 ``Forwarded:``, ``Last-Update:``), so they survive the round trip. Author
 dates come from the patches, and the base commit has a fixed date, so an
 unchanged tree exports byte-identical patches.

@@ -113,7 +113,8 @@ def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
 
 def test_scale_arithmetic():
     groups = render.model_groups(4096, 32, 14336, 1024)
-    assert groups["layer"] == (32, 218_112_000)  # attention 41.9M + MLP 176.2M + 2 norms and groups["root"] == (1, 128256 * 4096)
+    assert groups["layer"] == (32, 218_112_000)  # attention 41.9M + MLP 176.2M + 2 norms
+    assert groups["root"] == (1, 128256 * 4096)
     one_each = {"reduce_scatter": {"layer": 1, "head": 1, "root": 1}, "all_gather": {}}
     total = sum(n * c for n, c in groups.values())
     # one fp32 reduce-scatter of every parameter: (DP-1)/DP * 4 bytes * parameters (~8.03e9)

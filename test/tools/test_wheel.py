@@ -61,7 +61,8 @@ def check_patched_wheel(out: Path, base_wheel: Path, expect_changed: set, revisi
     assert changed == ({"torch/version.py", f"{DI}/METADATA", f"{DI}/RECORD"}
                        | {p for p in expect_changed if p in old})
     assert f"__version__ = '{version}'".encode() in new["torch/version.py"]
-    assert new["torch/version.py"].replace(version.encode(), f"{BASE.version}+cu132".encode()) == old["torch/version.py"]
+    local = f"{BASE.version}+cu132".encode()
+    assert new["torch/version.py"].replace(version.encode(), local) == old["torch/version.py"]
     assert f"\nVersion: {version}\n".encode() in new[f"{new_di}/METADATA"]
     with zipfile.ZipFile(out) as zf:  # unchanged members keep their compression and dates
         for info in zf.infolist():

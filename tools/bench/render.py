@@ -297,7 +297,8 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                      f"seq {p['seq']}), M={p['microbatches']} microbatches, N={p['num_chunks']} chunks. "
                      + " ".join(f"{label}: {meta_line(d)}" for label, d in (("Unpatched run", pristine),
                                                                             ("Patched run", patched)) if d))
-        parts.append(collectives_table((pristine["results"] if pristine else []) + (patched["results"] if patched else [])))
+        parts.append(collectives_table([*(pristine["results"] if pristine else []),
+                                        *(patched["results"] if patched else [])]))
     else:
         parts.append(_missing("collectives-*.json"))
     parity = _read(res, "parity.json")
@@ -307,9 +308,10 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
 
     parts.append("**1b. PP2 x FSDP2 collectives per step** (`tools/bench/pp_collectives.py`). Each cell: "
                  "reduce-scatters in step 1 / step 2, and all-gathers in step 2.")
-    runs = [(label, d) for label, d in (("unpatched, plain inner backwards", _read(res, "pp-pristine.json")),
-                                        ("unpatched, torchtitan `ChunkedLossWrapper`", _read(res, "pp-pristine-torchtitan.json")),
-                                        ("this series (`partial_backward`)", _read(res, "pp-patched.json"))) if d]
+    runs = [(label, d) for label, d in (
+        ("unpatched, plain inner backwards", _read(res, "pp-pristine.json")),
+        ("unpatched, torchtitan `ChunkedLossWrapper`", _read(res, "pp-pristine-torchtitan.json")),
+        ("this series (`partial_backward`)", _read(res, "pp-patched.json"))) if d]
     if runs:
         parts.append(" ".join(f"{label}: {meta_line(d)}" for label, d in runs))
         parts.append(pp_summary_table(runs))

@@ -50,7 +50,8 @@ def identity(name: str, email: str, date: str = FIXED_DATE) -> Dict[str, str]:
 def committer(tree: Path) -> Dict[str, str]:
     """A committer for ``git am`` when git has none configured (the patches carry the authors)."""
     env = {}
-    for key, var, default in (("user.name", "NAME", "torch-patches"), ("user.email", "EMAIL", "torch-patches@localhost")):
+    for key, var, default in (("user.name", "NAME", "torch-patches"),
+                              ("user.email", "EMAIL", "torch-patches@localhost")):
         proc = subprocess.run(["git", "-C", str(tree), "config", key], capture_output=True, text=True)
         if not proc.stdout.strip():
             env[f"GIT_COMMITTER_{var}"] = default
