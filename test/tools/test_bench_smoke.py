@@ -56,8 +56,9 @@ def test_collectives_tiny(results_dir):
               "--methods", "a,c,d", "--json", str(results_dir / "collectives-patched.json"))
     assert "reduce-scatter" in out and "full logits" in out and "error" not in out
     data = _meta_ok(results_dir / "collectives-patched.json", "collectives")
-    grouped_a = next(r for r in data["results"] if r["head"] == "grouped" and r["method"] == "a")
-    assert grouped_a["per_group"]["reduce_scatter"] == {"layer": 1, "head": 1, "root": 1}
+    per_method = render.measured_per_group(data["results"])
+    assert per_method["a"]["reduce_scatter"] == {"layer": 1, "head": 1, "root": 1}
+    assert per_method["d"]["partial"] == {"reduce_scatter": {"head": 1}}  # the norm, reduced again
 
 
 def test_pp_collectives_tiny(results_dir):

@@ -80,8 +80,7 @@ def _run_method(rank, world_size, kind, args, mesh, head, method, dump_dir, labe
         "torch": "patched" if common.has_series_api() else "unpatched",
         "counts": dict(log.counts), "bytes": dict(log.bytes), "losses": losses,
         "min_reductions": num_groups * (2 if kind == "hsdp" else 1), "groups": num_groups,
-        "per_group": {k: dict(log.by_group(k)) for k in ("reduce_scatter", "all_gather")},
-        "per_group_partial": {k: dict(log.by_group(k, partial=True)) for k in ("reduce_scatter", "all_gather")},
+        "per_group_sizes": {k: log.sizes_by_group(k) for k in ("reduce_scatter", "all_gather")},
         "num_layers": args.layers,
     }
 

@@ -7,7 +7,7 @@ active and keeps every call's kind and buffer size, and, given ``label_of``,
 the label of the FSDP parameter group that issued it (the group whose
 ``unshard`` or ``post_backward`` is running; FSDP2-internal names, fine for a
 benchmark), so calls can be totalled (:attr:`CallLog.counts`,
-:attr:`CallLog.bytes`) or attributed to groups (:meth:`CallLog.by_group`).
+:attr:`CallLog.bytes`) or attributed to groups (:meth:`CallLog.sizes_by_group`).
 The buffer is this rank's: the unsharded input of a reduce-scatter, the
 unsharded output of an all-gather, the tensor of an all-reduce.
 """
@@ -51,16 +51,14 @@ class CallLog:
             out[kind] += nbytes
         return out
 
-    def by_group(self, kind: str, partial: bool = False) -> collections.Counter[str]:
-        """Calls of ``kind`` per group label that move the group's whole buffer (the largest
-        call of that kind for the group), or, with ``partial``, the smaller ones (a reduction
-        of only some of the group's parameters)."""
-        largest: dict[str, int] = {}
+    def sizes_by_group(self, kind: str) -> dict[str, dict[int, int]]:
+        """``{group label: {buffer numel: calls}}`` for ``kind`` (a call smaller than the group's
+        largest reduces only some of its parameters)."""
+        out: dict[str, collections.Counter[int]] = {}
         for k, numel, _, label in self.calls:
             if k == kind:
-                largest[label] = max(largest.get(label, 0), numel)
-        return collections.Counter(label for k, numel, _, label in self.calls
-                                   if k == kind and (numel < largest[label]) == partial)
+                out.setdefault(label, collections.Counter())[numel] += 1
+        return {label: dict(sorted(sizes.items())) for label, sizes in sorted(out.items())}
 
     @contextlib.contextmanager
     def _labelled(self, label_of: Callable[[object], str]) -> Iterator[None]:

@@ -162,18 +162,33 @@ def model_groups(hidden: int, layers: int, ffn: int, kv: int) -> dict[str, tuple
     return {"layer": (layers, layer), "head": (1, VOCAB * hidden + hidden), "root": (1, VOCAB * hidden)}
 
 
+#: A call moving less than this share of its group's largest buffer reduces only a few of the
+#: group's parameters (d's second reduction of the grouped head: the norm, 0.8% of it at the
+#: tiny size and far less for Llama); the head weight alone (99%) counts as a whole-group call.
+PARTIAL_SHARE = 0.5
+
+
 def measured_per_group(rows: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
-    """``{method: {"reduce_scatter"|"all_gather": {group kind: calls per group per step}}}`` from the
-    FSDP rows with :data:`SCALE_HEAD` (first torch that ran each method)."""
+    """``{method: {"reduce_scatter"|"all_gather"|"partial": ...}}``: calls per group per step
+    (``{group kind: calls}``; ``partial``: the same for calls below :data:`PARTIAL_SHARE`) from the
+    FSDP rows with :data:`SCALE_HEAD` (the first torch that ran each method)."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: (r["method"], r["torch"])):
-        if r.get("config") != "FSDP" or r.get("head") != SCALE_HEAD or "per_group" not in r or r["method"] in out:
+        if r.get("config") != "FSDP" or r.get("head") != SCALE_HEAD or "per_group_sizes" not in r \
+                or r["method"] in out:
             continue
-        def per_group(counts: dict) -> dict:
-            return {kind: {g: n / (r["num_layers"] if g == "layer" else 1) for g, n in c.items()}
-                    for kind, c in counts.items()}
-
-        out[r["method"]] = {**per_group(r["per_group"]), "partial": per_group(r.get("per_group_partial", {}))}
+        whole: dict = {}
+        partial: dict = {}
+        for kind, groups in r["per_group_sizes"].items():
+            for g, sizes in groups.items():
+                per = r["num_layers"] if g == "layer" else 1
+                largest = max(int(n) for n in sizes)
+                for numel, calls in sizes.items():
+                    into = whole if int(numel) >= PARTIAL_SHARE * largest else partial
+                    into.setdefault(kind, {}).setdefault(g, 0)
+                    into[kind][g] += calls / per
+        out[r["method"]] = {"reduce_scatter": whole.get("reduce_scatter", {}),
+                            "all_gather": whole.get("all_gather", {}), "partial": partial}
     return out
 
 
@@ -345,7 +360,7 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                  "`[norm, output]`, embeddings in the root), at data-parallel size DP: per group, "
                  "calls x parameters x bytes x (DP-1)/DP. **Computed, not measured at scale**: the calls per group "
                  "per step are the ones measured on the tiny model above (FSDP, grouped head, same M and N). "
-                 "A partial call moves only some of a group's parameters (e.g. d's second reduction of the "
+                 "A partial call moves under half of its group's buffer (e.g. d's second reduction of the "
                  "grouped head covers just the norm); it is listed but not counted in the bytes.")
     if per_method:
         parts.append(counts_table(per_method))
