@@ -116,18 +116,10 @@ def compare_dumps(mine: Path, theirs: Path) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--microbatches", type=int, default=3)
-    p.add_argument("--num-chunks", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
+    common.add_step_args(p, vocab=256, dim=32, batch=2, seq=32)
     p.add_argument("--methods", default=None,
                    help="comma list of a,b,c,d (default: every one this torch/venv supports)")
     p.add_argument("--configs", default="FSDP,HSDP 2x2")
-    p.add_argument("--no-torchtitan", action="store_true", help="skip method b")
-    p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--dump", type=Path, help="write method b's losses and gradients here")
     p.add_argument("--compare-dump", type=Path, help="--dump directory of a run on the other torch")
     p.add_argument("--parity-json", type=Path, help="with --compare-dump: write method b's differences here")
@@ -135,14 +127,7 @@ def main() -> None:
     load_before = results.load()
 
     methods = args.methods.split(",") if args.methods else (["a"] if common.has_series_api() else []) + ["b", "c", "d"]
-    if "b" in methods and args.no_torchtitan:
-        methods.remove("b")
-    elif "b" in methods:
-        try:
-            import torchtitan.components.loss  # noqa: F401
-        except Exception as e:
-            print(f"torchtitan not importable ({type(e).__name__}: {e}); skipping method b")
-            methods.remove("b")
+    methods = common.runnable(methods, no_torchtitan=args.no_torchtitan)
     print(f"torch {torch.__version__} ({'patched' if common.has_series_api() else 'unpatched'}), "
           f"M={args.microbatches} microbatches, N={args.num_chunks} chunks, vocab {args.vocab}, "
           f"dim {args.dim}, {args.layers} layers, batch {args.batch}, seq {args.seq}; methods {methods}",
@@ -158,7 +143,7 @@ def main() -> None:
                 continue
             rows.extend(out)
         parity = compare_dumps(dump, args.compare_dump) if args.compare_dump and dump else None
-    params = {k: getattr(args, k) for k in ("microbatches", "num_chunks", "vocab", "dim", "layers", "batch", "seq")}
+    params = common.step_params(args)
     results.write(args.json, "collectives", params, rows, load_before, torch.__version__)
     print(render.collectives_table(rows))
     if parity is not None:

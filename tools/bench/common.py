@@ -25,6 +25,7 @@ sync"):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -223,6 +224,44 @@ def microbatch_fn(method: str, *, num_chunks: int, tokens_per_step: int) -> Call
     if method == "b":
         return make_microbatch_b(num_chunks, tokens_per_step)
     return {"a": microbatch_a, "c": microbatch_c, "d": microbatch_d}[method]
+
+
+# --------------------------------------------------------------------------- arguments
+
+#: The step's shape, shared by the scripts' arguments and their result files.
+STEP_SHAPE = ("microbatches", "num_chunks", "vocab", "dim", "layers", "batch", "seq")
+
+
+def add_step_args(p: argparse.ArgumentParser, *, vocab: int, dim: int, batch: int, seq: int) -> None:
+    """The chunked-loss step's shape (M=3 microbatches, N=4 chunks, 2 layers by default),
+    ``--no-torchtitan`` and ``--json``."""
+    p.add_argument("--microbatches", type=int, default=3)
+    p.add_argument("--num-chunks", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--no-torchtitan", action="store_true", help="skip method b")
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+def step_params(args, *extra: str) -> dict:
+    return {k: getattr(args, k) for k in (*STEP_SHAPE, *extra)}
+
+
+def runnable(methods: list[str], *, no_torchtitan: bool) -> list[str]:
+    """``methods`` without b when torchtitan is unwanted or not importable."""
+    if "b" not in methods:
+        return methods
+    if not no_torchtitan:
+        try:
+            import torchtitan.components.loss  # noqa: F401
+
+            return methods
+        except Exception as e:
+            print(f"torchtitan not importable ({type(e).__name__}: {e}); skipping method b")
+    return [m for m in methods if m != "b"]
 
 
 # --------------------------------------------------------------------------- launcher
