@@ -46,12 +46,14 @@ _DEP3_RE = re.compile(r"^(Description|Origin|Bug(?:-[A-Za-z]+)?|Forwarded|Author
 # -- the manifest ---------------------------------------------------------------
 @dataclass(frozen=True)
 class Tracker:
-    """An upstream issue: the PR title prefix and the tests that go with it."""
+    """An upstream issue (or a patch without one yet): the PR title prefix and its tests."""
 
-    number: int
+    number: int  # the pytorch/pytorch issue; 0 for a patch without a tracker yet
     prefix: str  # PR title prefix, e.g. "[FSDP2]"
     what: str  # what the PR adds, for the test commit's subject
     tests: Tuple[str, ...] = ()  # repo paths; upstream uses the same paths
+    #: For ``number == 0``: a fragment of the patch's file name that picks it (``zero-bubble``).
+    match: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,12 @@ class Manifest:
     revision: int
     trackers: Tuple[Tracker, ...] = ()
 
-    def tracker(self, number: int) -> Optional[Tracker]:
-        return next((t for t in self.trackers if t.number == number), None)
+    def tracker(self, number: int, patch_name: str = "") -> Optional[Tracker]:
+        """The line for issue ``number``; for a patch without one (``number == 0``), the
+        line whose key is a fragment of ``patch_name`` (case-insensitive)."""
+        if number:
+            return next((t for t in self.trackers if t.number == number), None)
+        return next((t for t in self.trackers if t.match and t.match.lower() in patch_name.lower()), None)
 
 
 def read_manifest(directory: os.PathLike) -> Manifest:
@@ -71,6 +77,7 @@ def read_manifest(directory: os.PathLike) -> Manifest:
     path = Path(directory) / MANIFEST_NAME
     parser = configparser.ConfigParser(interpolation=None, comment_prefixes=("#",),
                                        inline_comment_prefixes=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are issue numbers or name fragments
     try:
         with open(path, encoding="utf-8") as fh:
             parser.read_file(fh)
@@ -83,7 +90,8 @@ def read_manifest(directory: os.PathLike) -> Manifest:
         trackers = []
         for key, value in (parser["trackers"].items() if parser.has_section("trackers") else []):
             prefix, what, tests = (part.strip() for part in (value.split("|") + ["", ""])[:3])
-            trackers.append(Tracker(int(key), prefix, what, tuple(tests.split())))
+            number = int(key) if key.isdigit() else 0
+            trackers.append(Tracker(number, prefix, what, tuple(tests.split()), "" if number else key))
     except FileNotFoundError:
         raise TorchPatchesError(f"no {MANIFEST_NAME} in {directory}: a series directory holds "
                                 f"{SERIES_NAME}, {MANIFEST_NAME} and the patches")

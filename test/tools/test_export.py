@@ -297,3 +297,23 @@ def test_patch_without_tracker_is_its_own_pr(pristine_site, stack, tmp_path):
             if not line.startswith("#")] == ["203177", "203177", "new-0002"]
     patch = next((out / "new-0002").glob("*.patch")).read_text()
     assert "Subject: [PATCH] [FSDP2] Add partial" in patch  # no n/m: adding a patch rewrites nothing else
+
+
+def test_tests_of_a_patch_without_tracker_map_by_name(pristine_site, stack, tmp_path):
+    series, repo = stack
+    d = series.directory
+    p2 = d / "0002-partial.patch"
+    p2.write_text(p2.read_text().replace("Bug: https://github.com/pytorch/pytorch/issues/203176",
+                                         "Bug: none yet (no tracker yet)"))
+    partial_test = "test/distributed/_composable/fsdp/test_partial.py"
+    (repo / partial_test).write_text("# Owner(s): [\"oncall: distributed\"]\nimport torch\n")
+    with open(d / "manifest.ini", "a") as fh:
+        fh.write(f"Partial = [FSDP2] | partial things | {partial_test}\n"
+                 "no-such-patch = [FSDP2] | nothing | test/none.py\n")
+    result = ex.export(load(d), _base_files(pristine_site), tmp_path / "upstream", repo)
+    group = result.groups[1]
+    assert group.key == "new-0002" and group.tracker.what == "partial things" and partial_test in group.tests
+    assert "Add tests for partial things" in (tmp_path / "upstream" / "new-0002" / next(
+        n for n in group.files if "tests" in n)).read_text()
+    assert any("no-such-patch: no patch file name contains it" in w for w in result.warnings)
+    assert not any("new-0002" in w or "0002-partial.patch (no tracker yet): no line" in w for w in result.warnings)

@@ -121,7 +121,7 @@ def group_series(series: Series) -> List[Group]:
     groups: Dict[object, Group] = {}
     for patch in series.patches:
         n = tracker_number(patch)
-        tracker = series.manifest.tracker(n) or Tracker(n, "", f"#{n}" if n else patch.subject)
+        tracker = series.manifest.tracker(n, patch.name) or Tracker(n, "", f"#{n}" if n else patch.subject)
         groups.setdefault(n or patch.name, Group(tracker)).patches.append(patch)
     return list(groups.values())
 
@@ -177,7 +177,7 @@ def collect_tests(groups: List[Group], repo: Path, series: Series) -> List[str]:
     """
     warnings, helper_done = [], False
     for group in groups:
-        if series.manifest.tracker(group.number) is None:
+        if series.manifest.tracker(group.number, group.patches[0].name) is None:
             warnings.append(f"{group.ref}: no line in [trackers] of {series.directory}/manifest.ini; "
                             "exported without tests")
             continue
@@ -409,9 +409,11 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
         raise TorchPatchesError("the series is empty: nothing to export")
     groups = group_series(series)
     warnings = collect_tests(groups, repo, series)
-    for number in (t.number for t in series.manifest.trackers):
-        if number not in {g.number for g in groups}:
-            warnings.append(f"#{number}: no patch in the series names it (not written yet, or retired); skipped")
+    for t in series.manifest.trackers:
+        if t.number and t.number not in {g.number for g in groups}:
+            warnings.append(f"#{t.number}: no patch in the series names it (not written yet, or retired); skipped")
+        elif not t.number and not any(t.match.lower() in p.name.lower() for p in series.patches):
+            warnings.append(f"[trackers] {t.match}: no patch file name contains it; skipped")
     _prepare_out(out)
     order: List[str] = []
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
