@@ -5,15 +5,18 @@
     ... edit in DIR: git commit / git rebase -i / git commit --amend ...
     python tools/devtree.py export DIR               # rewrite torch_patches/patches/
 
-``init`` copies every ``.py`` under ``torch/distributed/fsdp/`` and
-``torch/distributed/pipelining/`` from the torch 2.15.0 installed for PY (if
+``init`` copies every ``.py`` under the manifest's ``[base] prefixes``
+(``torch/distributed/fsdp/``, ``torch/distributed/pipelining/``) from the
+pinned torch installed for PY (if
 that torch was patched in place, the pristine copies the patch marker keeps
 are used), verifies each against the dist-info RECORD hashes, commits them as
 the base commit (tag ``base``), and applies the series with ``git am``.
 
-``export`` runs ``git format-patch --no-signature --zero-commit --full-index
---no-renames --numbered base..HEAD``, renumbers the files ``NNNN-slug.patch``
-and rewrites ``series``. Commit messages keep the DEP-3 fields (``Bug:``,
+``export`` runs ``git format-patch`` (the flags of
+:mod:`torch_patches.upstream.gitstack`) on ``base..HEAD``, names the files
+``NNNN-slug.patch`` (slugs cut at a word boundary) and rewrites ``series``
+(keeping its comment header; the ``manifest.ini`` beside it is left alone).
+Commit messages keep the DEP-3 fields (``Bug:``,
 ``Forwarded:``, ``Last-Update:``), so they survive the round trip. Author
 dates come from the patches, and the base commit has a fixed date, so an
 unchanged tree exports byte-identical patches.
@@ -22,9 +25,7 @@ unchanged tree exports byte-identical patches.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,31 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torch_patches import base  # noqa: E402
 from torch_patches.errors import TorchPatchesError  # noqa: E402
-from torch_patches.installed import pristine_base_files  # noqa: E402
-from torch_patches.series import DEFAULT_SERIES_DIR, load_series, parse_patch  # noqa: E402
-
-FIXED_DATE = "2000-01-01T00:00:00+0000"
-
-
-def git(tree: Path, *args: str, env=None, capture=True) -> str:
-    """Run git in ``tree``; raise :class:`TorchPatchesError` with its stderr."""
-    full_env = dict(os.environ, **(env or {}))
-    proc = subprocess.run(["git", "-C", str(tree), *args], capture_output=capture, text=True, env=full_env)
-    if proc.returncode != 0:
-        raise TorchPatchesError(f"git {' '.join(args)} failed:\n{(proc.stderr or '').strip()}")
-    return proc.stdout or ""
-
-
-def _identity_env(tree: Path) -> dict:
-    env = {}
-    for key, var, default in (("user.name", "NAME", "torch-patches devtree"),
-                              ("user.email", "EMAIL", "devtree@localhost")):
-        proc = subprocess.run(["git", "-C", str(tree), "config", key], capture_output=True, text=True)
-        if not proc.stdout.strip():
-            env[f"GIT_AUTHOR_{var}"] = env[f"GIT_COMMITTER_{var}"] = default
-    return env
+from torch_patches.series import (MANIFEST_NAME, default_series_dir, load_series,  # noqa: E402
+                                  parse_patch, read_manifest, read_series_file, write_series_file)
+from torch_patches.targets.pristine import pristine_base_files  # noqa: E402
+from torch_patches.upstream.gitstack import am, format_patch, git, init_base  # noqa: E402
 
 
 def cmd_init(args) -> None:
@@ -64,68 +45,44 @@ def cmd_init(args) -> None:
     if tree.exists() and any(tree.iterdir()):
         raise TorchPatchesError(f"{tree} exists and is not empty")
     series = load_series(args.series)
-    files = pristine_base_files(args.python)
-    print(f"init: {len(files)} pristine files from torch {base.BASE_VERSION} -> {tree}")
-    for rel, data in files.items():
-        dest = tree / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
-    git(tree, "init", "-q")
-    env = _identity_env(tree)
-    git(tree, "add", "-A")
-    base_env = dict(env, GIT_AUTHOR_DATE=FIXED_DATE, GIT_COMMITTER_DATE=FIXED_DATE)
-    if "GIT_AUTHOR_NAME" not in base_env:
-        base_env.update(GIT_AUTHOR_NAME="PyTorch", GIT_AUTHOR_EMAIL="packages@pytorch.org")
-    git(tree, "commit", "-q", "-m",
-        f"torch {base.BASE_VERSION} base ({base.BASE_GIT_VERSION[:12]})\n\n"
-        f"Pristine torch/distributed/{{fsdp,pipelining}} sources of the torch {base.BASE_VERSION} wheel,\n"
-        f"verified against its RECORD. Upstream commit {base.BASE_GIT_VERSION}.", env=base_env)
-    git(tree, "tag", "base")
+    files = pristine_base_files(series, args.python, args.source)
+    print(f"init: {len(files)} pristine files from torch {series.base.version} -> {tree}")
+    init_base(tree, files, series.base)
     if series.patches:
-        patch_paths = [str(series.directory / p.name) for p in series.patches]
-        try:
-            git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date", *patch_paths, env=env)
-        except TorchPatchesError as exc:
-            subprocess.run(["git", "-C", str(tree), "am", "--abort"], capture_output=True)
-            raise TorchPatchesError(f"the series does not apply with git am: {exc}")
+        am(tree, [p.data for p in series.patches], "the series")
     print(git(tree, "log", "--oneline", "--decorate", "-n", str(len(series.patches) + 1)).rstrip())
     print(f"init: edit in {tree}, commit, then `python tools/devtree.py export {args.dir}`")
 
 
 def cmd_export(args) -> None:
     tree = Path(args.dir).resolve()
-    out_dir = Path(args.series) if args.series else DEFAULT_SERIES_DIR
+    out_dir = Path(args.series) if args.series else default_series_dir()
     if git(tree, "status", "--porcelain", "--untracked-files=no").strip():
         raise TorchPatchesError(f"{tree} has uncommitted changes; commit or stash them first")
     with tempfile.TemporaryDirectory() as tmp:
-        git(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "--full-index", "--no-renames",
-            "--numbered", "-o", tmp, "base..HEAD")
-        new = sorted(Path(tmp).glob("*.patch"))
+        new = format_patch(tree, "base..HEAD", Path(tmp))
         for p in new:
-            patch = parse_patch(p.name, p.read_bytes())
-            missing = patch.missing_dep3()
+            missing = parse_patch(p.name, p.read_bytes()).missing_dep3()
             if missing:
                 print(f"warning: {p.name} lacks DEP-3 field(s) {', '.join(missing)} in its commit message")
-        header = []
-        series_file = out_dir / "series"
-        if series_file.exists():
-            for line in series_file.read_text().splitlines():
-                if not line.startswith("#"):
-                    break
-                header.append(line)
-            for line in series_file.read_text().splitlines():
-                name = line.split("#", 1)[0].strip()
-                if name and (out_dir / name).exists():
-                    (out_dir / name).unlink()
+        header: tuple = ()
+        if (out_dir / "series").exists():
+            old = read_series_file(out_dir)
+            header = old.header
+            for name in old.names:
+                (out_dir / name).unlink(missing_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
+        if not (out_dir / MANIFEST_NAME).is_file():
+            shutil.copyfile(default_series_dir() / MANIFEST_NAME, out_dir / MANIFEST_NAME)
+            print(f"export: {out_dir} had no {MANIFEST_NAME}; copied the shipped one")
         for p in new:
             shutil.copyfile(p, out_dir / p.name)
-        series_file.write_text("\n".join(header + [p.name for p in new]) + "\n")
+        write_series_file(out_dir, header, [p.name for p in new])
     print(f"export: {len(new)} patch(es) -> {out_dir}")
     for p in new:
         print(f"  {p.name}")
-    print(f"export: bump SERIES_REVISION in torch_patches/base.py (now {base.SERIES_REVISION}) "
-          "when releasing a changed series")
+    print(f"export: bump [series] revision in {out_dir / MANIFEST_NAME} "
+          f"(now {read_manifest(out_dir).revision}) when releasing a changed series")
 
 
 def main(argv=None) -> int:
@@ -133,8 +90,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("init", help="materialise an editable git tree of the base + series")
     p.add_argument("dir")
-    p.add_argument("--python", metavar="PY", help="interpreter with torch 2.15.0 (default: this one)")
+    p.add_argument("--python", metavar="PY", help="interpreter with the pinned torch (default: this one)")
     p.add_argument("--series", metavar="DIR", help="series to apply (default: the shipped one)")
+    p.add_argument("--source", metavar="DIR", help="source checkout of the base, for files an installed torch "
+                   "does not hold (docs/) that the series changes")
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("export", help="regenerate the patch files and series from base..HEAD")
     p.add_argument("dir")

@@ -2,7 +2,8 @@
 # The test command: bash tools/run_tests.sh [pytest args...]
 #
 # 1. creates (or reuses) a virtual environment, $VENV (default: .venv here),
-#    with torch==2.15.0, expecttest, pytest, numpy (tools/requirements-test.txt);
+#    with the pinned torch (`python -m torch_patches manifest --get base_version`),
+#    expecttest, pytest, numpy (tools/requirements-test.txt);
 # 2. installs this project into it (pip install .);
 # 3. applies the series to the venv's torch with the user-facing command
 #    `python -m torch_patches apply --python $VENV/bin/python`
@@ -13,7 +14,7 @@
 # Environment: VENV (venv path), PYTHON (interpreter that creates the venv,
 # default python3), PIP_FIND_LINKS etc. are passed to pip as usual. pip runs
 # with PIP_CONFIG_FILE=/dev/null so a machine-wide constraint that caps torch
-# below 2.15.0 does not apply.
+# below the pinned release does not apply.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,16 +43,18 @@ except m.PackageNotFoundError:
 PY
 }
 
+# The pinned base, read from the shipped series' manifest.ini (the CLI is stdlib-only).
+BASE_VERSION="$(PYTHONPATH="$REPO" "$PY" -m torch_patches manifest --get base_version)"
 have="$(installed_torch)"
-case "$have" in
-  2.15.0) step "reusing $VENV (torch $have)" ;;
-  *)
-    if [[ -n "$have" ]]; then
-      step "torch $have in $VENV is not the base 2.15.0; reinstalling"
-      "$PY" -m pip install --force-reinstall --no-deps "torch==2.15.0"
-    fi
-    ;;
-esac
+if [[ "$have" == "$BASE_VERSION" ]]; then
+  step "reusing $VENV (torch $have)"
+elif [[ -n "$have" ]]; then
+  step "torch $have in $VENV is not the base $BASE_VERSION; reinstalling"
+  "$PY" -m pip install --force-reinstall --no-deps "torch==$BASE_VERSION"
+else
+  step "installing torch==$BASE_VERSION into $VENV"
+  "$PY" -m pip install "torch==$BASE_VERSION"
+fi
 step "installing test requirements (tools/requirements-test.txt)"
 "$PY" -m pip install -r tools/requirements-test.txt
 

@@ -1,45 +1,62 @@
-"""The pinned base this series is written against, and the series revision.
+"""The pinned base a series is written against, as a frozen value.
 
-Bump :data:`SERIES_REVISION` whenever the content of ``patches/`` changes in a
-release: it becomes ``N`` in the patched wheel's version ``2.15.0+fsdp.N``.
+A :class:`Base` is read from the ``[base]`` section of a series directory's
+``manifest.ini`` (see :mod:`torch_patches.series`); nothing in the code names a
+torch release. The patched build of series revision ``N`` is
+``<base version>+<local label>.N`` (PEP 440 local label), e.g. ``X.Y.Z+fsdp.2``.
 """
 
-#: Upstream release the series applies to (``torch/version.py`` public part,
-#: dist-info ``Version``, and ``version.txt`` in a source tree).
-BASE_VERSION = "2.15.0"
+from __future__ import annotations
 
-#: ``torch.version.git_version`` of the PyPI 2.15.0 wheels, and the commit of a
-#: v2.15.0 source checkout.
-BASE_GIT_VERSION = "d0f2af8b66b20da4baa50644c0cd3f887a2eae2e"
-
-#: Revision ``N`` of the series (``2.15.0+fsdp.N``).
-SERIES_REVISION = 1
-
-#: PEP 440 local-label prefix of patched builds.
-LOCAL_LABEL = "fsdp"
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 
-def patched_version(revision: int = SERIES_REVISION) -> str:
-    """Return the PEP 440 version of a patched build, e.g. ``2.15.0+fsdp.3``."""
-    return f"{BASE_VERSION}+{LOCAL_LABEL}.{revision}"
+@dataclass(frozen=True)
+class Base:
+    """An upstream torch release, and which of its paths the series reads."""
+
+    #: ``torch/version.py`` public ``__version__``, dist-info ``Version``, ``version.txt``.
+    version: str
+    #: ``torch.version.git_version`` of the release wheels = the release commit.
+    git_version: str
+    #: Directories whose ``.py`` files ``devtree`` and ``export`` take from an installed base.
+    prefixes: Tuple[str, ...] = ()
+    #: Repo path prefixes an installed torch or a wheel holds (``torch/``). Hunks for
+    #: other paths (``docs/``) apply to source checkouts only.
+    packaged: Tuple[str, ...] = ("torch/",)
+    #: PEP 440 local-label prefix of patched builds.
+    local_label: str = "fsdp"
+
+    @property
+    def short(self) -> str:
+        """``X.Y.Z (<12 hex digits>)``: how messages name the base."""
+        return f"{self.version} ({self.git_version[:12]})"
+
+    def patched_version(self, revision: int) -> str:
+        """The PEP 440 version of a patched build, e.g. ``X.Y.Z+fsdp.3``."""
+        return f"{self.version}+{self.local_label}.{revision}"
+
+    def patched_revision(self, version: str) -> Optional[int]:
+        """``N`` if ``version`` is ``<base>+<label>.N``, else ``None``."""
+        label = local_label(version)
+        prefix = self.local_label + "."
+        if public_version(version) == self.version and label.startswith(prefix):
+            rest = label[len(prefix):]
+            if rest.isdigit():
+                return int(rest)
+        return None
+
+    def is_packaged(self, path: str) -> bool:
+        """Whether an installed torch or a wheel holds repo path ``path``."""
+        return path.startswith(self.packaged)
 
 
 def public_version(version: str) -> str:
-    """Return ``version`` without its local label (``2.15.0+cu132`` -> ``2.15.0``)."""
+    """Return ``version`` without its local label (``X.Y.Z+cu132`` -> ``X.Y.Z``)."""
     return version.split("+", 1)[0]
 
 
 def local_label(version: str) -> str:
     """Return the local label of ``version`` (``''`` when it has none)."""
     return version.split("+", 1)[1] if "+" in version else ""
-
-
-def patched_revision(version: str):
-    """Return ``N`` if ``version`` is ``2.15.0+fsdp.N``, else ``None``."""
-    label = local_label(version)
-    prefix = LOCAL_LABEL + "."
-    if public_version(version) == BASE_VERSION and label.startswith(prefix):
-        rest = label[len(prefix):]
-        if rest.isdigit():
-            return int(rest)
-    return None

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import List, Optional
 
-from . import __version__, base
+from . import __version__
 from .errors import TorchPatchesError
 
 
@@ -20,41 +20,47 @@ def _progress(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _series(args):
-    from .series import load_series
-    return load_series(args.series)
+def _series(args, target=None):
+    """``--series DIR``, else the shipped series for the target's torch version."""
+    from .series import default_series_dir, load_series
+    if args.series:
+        return load_series(args.series)
+    return load_series(default_series_dir(target.base_version if target is not None else None))
 
 
 def _target(args):
     if getattr(args, "source", None):
-        from .source import SourceTree
+        from .targets.source import SourceTree
         return SourceTree(args.source)
-    from .installed import locate
+    from .targets.installed import locate
     return locate(getattr(args, "python", None))
 
 
 def cmd_status(args) -> int:
     from . import ops
-    print("\n".join(ops.status(_target(args), _series(args))))
+    target = _target(args)
+    print("\n".join(ops.status(target, _series(args, target))))
     return 0
 
 
 def cmd_apply(args) -> int:
     from . import ops
-    target, series = _target(args), _series(args)
-    print(ops.apply(target, series))
+    target = _target(args)
+    print(ops.apply(target, _series(args, target)))
     return 0
 
 
 def cmd_revert(args) -> int:
     from . import ops
-    print(ops.revert(_target(args), _series(args)))
+    target = _target(args)
+    print(ops.revert(target, _series(args, target)))
     return 0
 
 
 def cmd_check(args) -> int:
     from . import ops
-    lines, error = ops.check(_target(args), _series(args))
+    target = _target(args)
+    lines, error = ops.check(target, _series(args, target))
     print("\n".join(lines))
     if error is not None:
         raise error
@@ -62,11 +68,11 @@ def cmd_check(args) -> int:
 
 
 def cmd_wheel(args) -> int:
-    from .fetch import obtain_base_wheel
-    from .wheel import build_wheel, verify_wheel
+    from .wheel.fetch import obtain_base_wheel
+    from .wheel.build import build_wheel, verify_wheel
     started = time.monotonic()
     series = _series(args)
-    base_wheel = args.base or obtain_base_wheel(args.python, progress=_progress)
+    base_wheel = args.base or obtain_base_wheel(args.python, series.base, progress=_progress)
     out = build_wheel(base_wheel, args.output, series, progress=_progress)
     if args.verify:
         _progress("verify: checking every RECORD hash ...")
@@ -81,17 +87,18 @@ def cmd_wheel(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from . import export as ex
-    from .installed import pristine_base_files
-    from .onto import check_onto
+    from .upstream import export as ex
+    from .targets.pristine import pristine_base_files
+    from .upstream.onto import check_onto
     series = _series(args)
     repo = Path(args.repo).resolve()
     results = ex.load_results(args.results)
     if args.run_tests:
         results_file = Path(args.results or Path(args.output) / "test-results.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
-        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, progress=_progress)
-    base_files = pristine_base_files(args.python, ex.base_prefixes(series))
+        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
+                               progress=_progress)
+    base_files = pristine_base_files(series, args.python, args.source, ex.base_prefixes(series))
     result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)
     for warning in result.warnings:
         print(f"warning: {warning}")
@@ -105,11 +112,36 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_manifest(args) -> int:
+    from .series import default_series_dir, read_manifest
+    directory = args.series or default_series_dir()
+    manifest = read_manifest(directory)
+    values = {"directory": str(directory), "base_version": manifest.base.version,
+              "base_git_version": manifest.base.git_version, "revision": str(manifest.revision),
+              "version": manifest.base.patched_version(manifest.revision)}
+    if args.get:
+        print(values[args.get])
+    else:
+        print("\n".join(f"{k}={v}" for k, v in values.items()))
+    return 0
+
+
+def _pinned() -> str:
+    """How help texts name the shipped series' base (read from its manifest)."""
+    from .series import default_series_dir, read_manifest
+    try:
+        manifest = read_manifest(default_series_dir())
+    except TorchPatchesError:
+        return "the torch release its manifest pins"
+    return f"torch {manifest.base.short}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    pinned = _pinned()
     parser = argparse.ArgumentParser(
         prog="torch-patches",
-        description=f"Apply the FSDP lifecycle patch series to torch {base.BASE_VERSION} "
-                    f"({base.BASE_GIT_VERSION[:12]}), revert it, or build a patched wheel.")
+        description=f"Apply the FSDP lifecycle patch series to {pinned}, revert it, "
+                    "or build a patched wheel.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--series", metavar="DIR", default=None,
@@ -137,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[common], help="dry run of apply against a source tree")
     target_args(p, source_required=True)
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("wheel", parents=[common], help="write the patched wheel 2.15.0+fsdp.N")
-    p.add_argument("--base", metavar="WHEEL", help="base torch 2.15.0 wheel (default: download with pip)")
+    p = sub.add_parser("wheel", parents=[common], help="write the patched wheel <base>+fsdp.N")
+    p.add_argument("--base", metavar="WHEEL", help=f"base wheel of {pinned} (default: download with pip)")
     p.add_argument("-o", "--output", metavar="DIR", default="dist", help="output directory (default: dist)")
     p.add_argument("--python", metavar="PY", help="interpreter whose wheel tags select the base wheel")
     p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
@@ -148,13 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="DIR", default="upstream",
                    help="output directory (default: upstream)")
     p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
-    p.add_argument("--python", metavar="PY", help="interpreter whose torch 2.15.0 gives the pristine base files")
+    p.add_argument("--python", metavar="PY", help=f"interpreter whose {pinned} gives the pristine base files")
+    p.add_argument("--source", metavar="DIR", help="source checkout of the base, for the files an installed "
+                   "torch does not hold (docs/) that the series changes")
     p.add_argument("--repo", metavar="DIR", default=".",
                    help="torch-fsdp-lifecycle checkout holding test/ (default: the current directory)")
     p.add_argument("--results", metavar="FILE", help="recorded test results (JSON) for the Test Plan")
     p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY (its torch must have the "
                    "series applied) and record them in --results (default: DIR/test-results.json)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("manifest", parents=[common], help="print the series' base, revision and wheel version")
+    p.add_argument("--get", choices=("directory", "base_version", "base_git_version", "revision", "version"),
+                   help="print only this value")
+    p.set_defaults(func=cmd_manifest)
     return parser
 
 

@@ -1,66 +1,138 @@
-"""``apply``, ``revert``, ``status`` and ``check`` on a :class:`Target`.
+"""``apply``, ``revert``, ``status`` and ``check`` on a :class:`~torch_patches.targets.Target`.
 
 Every operation first computes the complete result in memory and only then
-writes, through one all-or-nothing :meth:`Target.commit`.
+writes, through one all-or-nothing :meth:`Target.commit`. A target that holds
+only what a wheel packages (an installed torch) gets the series without the
+hunks for other paths (``docs/``): see :func:`held_series`.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from . import base, marker as markers
 from .errors import PatchApplyError, TorchPatchesError
-from .patching import Files
+from .files import Files
+from .marker import Marker
 from .series import Series
-from .state import (APPLIED, CONFLICTS, NOT_APPLIED, RETIRED, analyze, apply_series, base_blob_mismatches,
-                    find_retired, without)
-from .target import Target
+from .state import (APPLIED, CONFLICTS, NOT_APPLIED, PARTIAL, RETIRED, State, analyze, apply_series,
+                    base_blob_mismatches, patch_word, retired_in, retired_lines, retired_summary)
+from .targets import Target
 
 REFUSED = 3  # exit code for "this is not the pinned base torch"
 NOTHING_CHANGED = "Nothing was changed."
 
 
-@dataclass
+class Outcome(enum.Enum):
+    """What an ``apply`` will do."""
+
+    WRITE = "write"  # patch the files and write the marker
+    RECORD = "record"  # the files are already patched: write only the marker
+    NOTHING = "nothing"  # already applied, or every patch is retired
+
+
+@dataclass(frozen=True)
 class Plan:
     """The outcome of an apply, computed without writing anything."""
 
-    already: bool = False
-    message: str = ""
+    outcome: Outcome
+    message: str
     pristine: Files = field(default_factory=dict)
     new: Files = field(default_factory=dict)
-    marker: Optional[dict] = None
+    marker: Optional[Marker] = None
 
 
-def _patch_word(n: int) -> str:
-    return f"{n} patch" + ("" if n == 1 else "es")
+@dataclass(frozen=True)
+class _Start:
+    """Where an apply starts from: the base files, and what the target holds now."""
+
+    current: Files
+    pristine: Files
+    mtimes: Dict[str, int]
+    retired: Dict[str, str]
+    replacing: Optional[Marker] = None
 
 
-def _retired(target: Target, series: Series, base_files: Files) -> Dict[str, str]:
-    """Patches the unmodified base already contains (see [Note: retired patches])."""
-    if not series.patches or not target.is_unmodified(base_files):
-        return {}
-    return find_retired(series, base_files)
+# -- the series a target can hold ------------------------------------------------------
+def held_series(target: Target, series: Series) -> Tuple[Series, List[str]]:
+    """``series`` without the file diffs ``target`` cannot hold, and those paths.
+
+    An installed torch (or a wheel) has no ``docs/``: hunks for paths outside
+    the manifest's ``[base] packaged`` prefixes apply to source checkouts and go
+    to the export, and are skipped here.
+    """
+    if not target.packaged_only:
+        return series, []
+    skipped = [p for p in series.paths if not series.base.is_packaged(p)]
+    return (series.restricted(series.base.is_packaged), skipped) if skipped else (series, [])
 
 
-def _retired_lines(retired: Dict[str, str]) -> str:
-    return "".join(f"\nskipped {name}: already in base: retired ({why})" for name, why in retired.items())
+def _skipped_lines(skipped: List[str]) -> str:
+    return "".join(f"\nskipped {path}: not part of an installed torch or wheel (source checkouts and "
+                   "export include it)" for path in skipped)
 
 
+# -- refusals ---------------------------------------------------------------------------------
 def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
     if target.kind == "wheel":
         old = target.load_marker()
-        if action == "apply" and old is not None and markers.same_series(old, series):
+        if action == "apply" and old is not None and old.same_series(series):
             return
         raise TorchPatchesError(
             f"torch was installed from a patched wheel ({getattr(target, 'dist_version', '?')}); "
             f"cannot {action} in place. Reinstall the base with "
-            f"`pip install --force-reinstall --no-deps torch=={base.BASE_VERSION}` "
+            f"`pip install --force-reinstall --no-deps torch=={series.base.version}` "
             f"or install the wheel for series revision {series.revision}. {NOTHING_CHANGED}",
             REFUSED)
-    problem = target.base_problem()
+    problem = target.base_problem(series.base)
     if problem:
         raise TorchPatchesError(f"refusing to {action}: {problem}. {NOTHING_CHANGED}", REFUSED)
+
+
+def _refuse_if_changed(old: Marker, current: Files, fix: str) -> None:
+    changed = old.changed_since(current)
+    if changed:
+        raise TorchPatchesError(f"these files changed after {old.describe()} was applied: "
+                                f"{', '.join(changed)}. {fix} {NOTHING_CHANGED}")
+
+
+# -- apply ---------------------------------------------------------------------------------------
+def _start_from_marker(target: Target, series: Series, old: Marker, paths: List[str]) -> _Start:
+    """Replacing another recorded series: its marker keeps the base files."""
+    current = target.read_all(paths)
+    pristine = {**current, **old.pristine_files()}
+    mtimes = {**target.mtimes(p for p in paths if p not in old.files), **old.pristine_mtimes()}
+    retired = retired_in(series, pristine, target.is_unmodified(pristine))
+    return _Start(current, pristine, mtimes, retired, replacing=old)
+
+
+def _start_from_files(target: Target, series: Series, paths: List[str]) -> _Start:
+    """No marker: the files must be the base, or the whole live series applied by hand."""
+    current = target.read_all(paths)
+    retired = retired_in(series, current, target.is_unmodified(current))
+    state = analyze(series.without(retired), current)
+    if state.kind is PARTIAL:
+        raise TorchPatchesError(f"{state.describe()}. Run `torch-patches revert` to restore the pristine "
+                                f"files, then apply. {NOTHING_CHANGED}")
+    if state.kind is CONFLICTS:
+        raise TorchPatchesError("the series does not apply:\n  " + "\n  ".join(
+            f"{n}: {why}" for n, why in state.errors.items()) + f"\n{NOTHING_CHANGED}")
+    return _Start(current, state.pristine or {}, target.mtimes(paths), retired)
+
+
+def _patched(target: Target, live: Series, pristine: Files) -> Files:
+    """The patched files, after proving ``pristine`` is the base."""
+    problems = target.verify_pristine(pristine) + base_blob_mismatches(live, pristine)
+    if problems:
+        raise TorchPatchesError(
+            "the files to patch are not the pristine base files:\n  " + "\n  ".join(problems)
+            + f"\nReinstall torch=={live.base.version} (or use a clean v{live.base.version} tree). "
+            + NOTHING_CHANGED)
+    try:
+        return apply_series(live, pristine)
+    except PatchApplyError as exc:
+        raise TorchPatchesError(f"{exc}. {NOTHING_CHANGED}")
 
 
 def plan_apply(target: Target, series: Series) -> Plan:
@@ -68,96 +140,66 @@ def plan_apply(target: Target, series: Series) -> Plan:
     _refuse_if_not_base(target, series, "apply")
     old = target.load_marker()
     if target.kind == "wheel":
-        return Plan(already=True, message=f"already applied: torch {target.dist_version} "  # type: ignore[attr-defined]
-                                          f"was installed from the patched wheel ({markers.describe(old)})")
-    paths = list(dict.fromkeys(list(series.paths) + list(old["files"] if old else [])))
-    current = target.read_all(paths)
-    replacing = ""
+        assert old is not None
+        return Plan(Outcome.NOTHING, f"already applied: torch {getattr(target, 'dist_version', '?')} "
+                                     f"was installed from the patched wheel ({old.describe()})")
+    held, skipped = held_series(target, series)
+    paths = list(dict.fromkeys([*held.paths, *(old.files if old else [])]))
     if old is not None:
-        changed = markers.changed_since(old, current)
-        if changed:
-            raise TorchPatchesError(
-                f"these files changed after {markers.describe(old)} was applied: {', '.join(changed)}. "
-                "Restore them (reinstall torch or check out the files) and apply again. " + NOTHING_CHANGED)
-        if markers.same_series(old, series):
-            return Plan(already=True, message=f"already applied: {markers.describe(old)}")
-        pristine = {**current, **markers.pristine_files(old)}
-        mtimes = {**target.mtimes(p for p in paths if p not in old["files"]), **markers.pristine_mtimes(old)}
-        replacing = f" (replacing {markers.describe(old)})"
-        retired = _retired(target, series, pristine)
-        live = without(series, retired)
+        _refuse_if_changed(old, target.read_all(old.files),
+                           "Restore them (reinstall torch or check out the files) and apply again.")
+        if old.same_series(series):
+            return Plan(Outcome.NOTHING, f"already applied: {old.describe()}")
+        start = _start_from_marker(target, held, old, paths)
     else:
-        retired = _retired(target, series, current)
-        live = without(series, retired)
-        if retired and not live.patches:
-            return Plan(already=True, message="nothing to apply: every patch is already in base: retired"
-                                              + _retired_lines(retired))
-        state = analyze(live, current)
-        if state.kind == "partial":
-            raise TorchPatchesError(
-                f"{state.describe()}. Run `torch-patches revert` to restore the pristine files, "
-                f"then apply. {NOTHING_CHANGED}")
-        if state.kind == CONFLICTS:
-            raise TorchPatchesError(
-                "the series does not apply:\n  " + "\n  ".join(f"{n}: {why}" for n, why in state.errors.items())
-                + f"\n{NOTHING_CHANGED}")
-        pristine = state.pristine or {}
-        mtimes = target.mtimes(paths)
-    problems = target.verify_pristine(pristine) + base_blob_mismatches(live, pristine)
-    if problems:
-        raise TorchPatchesError(
-            "the files to patch are not the pristine base files:\n  " + "\n  ".join(problems)
-            + f"\nReinstall torch=={base.BASE_VERSION} (or use a clean v{base.BASE_VERSION} tree). "
-            + NOTHING_CHANGED)
-    try:
-        new = apply_series(live, pristine)
-    except PatchApplyError as exc:
-        raise TorchPatchesError(f"{exc}. {NOTHING_CHANGED}")
-    marker = markers.build(series, pristine, new, kind=target.kind, mtimes=mtimes)
-    if retired:
-        marker["retired"] = retired
-    already = new == current and old is None and bool(live.patches)
-    what = f"series revision {series.revision}: {_patch_word(len(live.patches))}"
-    message = (f"already applied ({what}); recorded it" if already else f"applied {what}{replacing}")
-    message += _retired_lines(retired)
-    return Plan(already=False, message=message, pristine=pristine, new=new, marker=marker)
+        start = _start_from_files(target, held, paths)
+        if start.retired and len(start.retired) == len(series.patches):
+            return Plan(Outcome.NOTHING, "nothing to apply: every patch is already in base: retired"
+                                         + retired_lines(start.retired))
+    live = held.without(start.retired)
+    new = _patched(target, live, start.pristine)
+    marker = Marker.build(series, start.pristine, new, kind=target.kind, mtimes=start.mtimes,
+                          retired=start.retired)
+    what = f"series revision {series.revision}: {patch_word(len(live.patches))}"
+    if new == start.current and old is None and live.patches:
+        outcome, message = Outcome.RECORD, f"already applied ({what}); recorded it"
+    else:
+        outcome = Outcome.WRITE
+        message = f"applied {what}" + (f" (replacing {start.replacing.describe()})" if start.replacing else "")
+    message += retired_lines(start.retired) + _skipped_lines(skipped)
+    return Plan(outcome, message, start.pristine, new, marker)
 
 
 def apply(target: Target, series: Series) -> str:
     """Apply ``series`` to ``target`` (idempotent, all or nothing)."""
     plan = plan_apply(target, series)
-    if not plan.already:
+    if plan.outcome is not Outcome.NOTHING:
         target.commit(plan.pristine, plan.new, plan.marker)
     return plan.message
 
 
+# -- revert -------------------------------------------------------------------------------------------
 def revert(target: Target, series: Series) -> str:
     """Restore the pristine base files (and RECORD) of ``target``."""
     _refuse_if_not_base(target, series, "revert")
     old = target.load_marker()
     if old is not None:
-        current = target.read_all(old["files"])
-        changed = markers.changed_since(old, current)
-        if changed:
-            raise TorchPatchesError(
-                f"these files changed after {markers.describe(old)} was applied: {', '.join(changed)}; "
-                f"reinstall torch=={base.BASE_VERSION} instead. {NOTHING_CHANGED}")
-        pristine = markers.pristine_files(old)
-        what = markers.describe(old)
+        _refuse_if_changed(old, target.read_all(old.files), f"Reinstall torch=={series.base.version} instead.")
+        pristine, what = old.pristine_files(), old.describe()
     else:
-        current = target.read_all(series.paths)
-        retired = _retired(target, series, current)
-        state = analyze(without(series, retired), current)
-        if state.kind == NOT_APPLIED:
+        held, _ = held_series(target, series)
+        current = target.read_all(held.paths)
+        retired = retired_in(held, current, target.is_unmodified(current))
+        state = analyze(held.without(retired), current)
+        if state.kind is NOT_APPLIED:
             return "nothing to revert: the series is not applied" + (
                 f" ({len(retired)} already in base: retired)" if retired else "")
-        if state.kind == CONFLICTS:
+        if state.kind is CONFLICTS:
             raise TorchPatchesError(
                 "cannot revert, the files match neither the base nor the series:\n  "
                 + "\n  ".join(f"{n}: {why}" for n, why in state.errors.items()) + f"\n{NOTHING_CHANGED}")
         pristine = state.pristine or {}
-        applied = [n for n, s in state.per_patch.items() if s == APPLIED]
-        what = ", ".join(applied)
+        what = ", ".join(n for n, s in state.per_patch.items() if s is APPLIED)
     problems = target.verify_pristine(pristine)
     if problems:
         raise TorchPatchesError("the restored files would not match the base:\n  " + "\n  ".join(problems)
@@ -166,91 +208,114 @@ def revert(target: Target, series: Series) -> str:
     return f"reverted {what}"
 
 
-def patch_states(target: Target, series: Series, reasons: Optional[Dict[str, str]] = None):
-    """``{patch name: applied | not applied | conflicts | retired}`` and a summary line.
+# -- status ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PatchStates:
+    """Each patch's state, the summary line, and why retired patches are retired."""
 
-    ``reasons``, when given, receives why each retired patch is retired.
-    """
-    reasons = {} if reasons is None else reasons
+    per_patch: Dict[str, State]
+    summary: str
+    retired: Dict[str, str]
+    skipped: List[str]
+
+
+def _other_series(old: Marker, series: Series, target: Target) -> str:
+    """What ``status`` says when the recorded series is not ``series``."""
+    how = ("build and install its wheel (`torch-patches wheel`)" if target.kind == "wheel"
+           else "`apply` upgrades to it in one step")
+    if old.revision < series.revision:
+        return f"{old.describe()} is applied; a newer series exists (revision {series.revision}): {how}"
+    if old.revision > series.revision:
+        return (f"{old.describe()} is applied, newer than this series (revision {series.revision}); "
+                "`apply` would replace it with this older one")
+    return f"{old.describe()} is applied; `apply` replaces it with this series"
+
+
+def patch_states(target: Target, series: Series) -> PatchStates:
+    """Where each patch stands on ``target``, with a one-line summary."""
+    held, skipped = held_series(target, series)
+    not_held = {p.name for p in held.patches if not p.files}
     old = target.load_marker()
-    current = target.read_all(series.paths)
-    if old is not None and markers.same_series(old, series) \
-            and not markers.changed_since(old, target.read_all(old["files"])):
-        reasons.update(old.get("retired") or {})
-        per = {p.name: (RETIRED if p.name in reasons else APPLIED) for p in series.patches}
-        return per, "applied" + _retired_summary(reasons, series)
-    reasons.update(_retired(target, series, current))
-    state = analyze(without(series, reasons), current)
-    per = {p.name: (RETIRED if p.name in reasons else state.per_patch.get(p.name, "?")) for p in series.patches}
-    if old is not None and not markers.same_series(old, series):
-        return per, f"{markers.describe(old)} is applied; `apply` replaces it with this series"
-    if not series.patches:
-        return {}, "empty series" + (" (recorded as applied)" if old else "")
-    if reasons and len(reasons) == len(series.patches):
-        return per, "every patch is already in base: retired"
-    return per, state.describe() + _retired_summary(reasons, series)
+    if old is not None and old.same_series(series) and not old.changed_since(target.read_all(old.files)):
+        retired = dict(old.retired)
+        per = {p.name: RETIRED if p.name in retired else APPLIED for p in series.patches}
+        return PatchStates(per, "applied" + retired_summary(retired), retired, skipped)
+    current = target.read_all(held.paths)
+    retired = retired_in(held, current, target.is_unmodified(current))
+    state = analyze(held.without(retired), current)
+    per = {p.name: (RETIRED if p.name in retired else State.NOT_PACKAGED if p.name in not_held
+                    else state.per_patch.get(p.name, CONFLICTS)) for p in series.patches}
+    if old is not None:
+        summary = _other_series(old, series, target)
+    elif not series.patches:
+        summary = "empty series"
+    elif retired and len(retired) == len(series.patches):
+        summary = "every patch is already in base: retired"
+    else:
+        summary = state.describe() + retired_summary(retired)
+    return PatchStates(per, summary, retired, skipped)
 
 
-def _retired_summary(reasons: Dict[str, str], series: Series) -> str:
-    if not reasons:
-        return ""
-    return f" ({_patch_word(len(reasons))} already in base: retired)"
+def _pin_line(target: Target, series: Series) -> Tuple[str, Optional[str]]:
+    if target.kind == "wheel":
+        return (f"pinned base: patched wheel {getattr(target, 'dist_version', '?')} "
+                f"of the base {series.base.version} ({series.base.git_version[:12]})"), None
+    problem = target.base_problem(series.base)
+    if problem:
+        return f"pinned base: NO: {problem}", problem
+    return f"pinned base: yes ({series.base.version}, {series.base.git_version[:12]})", None
 
 
 def status(target: Target, series: Series) -> List[str]:
     """Human-readable status lines."""
     lines = list(target.describe())
-    problem = target.base_problem() if target.kind != "wheel" else None
-    if target.kind == "wheel":
-        lines.append(f"pinned base: patched wheel {getattr(target, 'dist_version', '?')} "
-                     f"of the base {base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]})")
-    elif problem:
-        lines.append(f"pinned base: NO: {problem}")
-    else:
-        lines.append(f"pinned base: yes ({base.BASE_VERSION}, {base.BASE_GIT_VERSION[:12]})")
+    pin, problem = _pin_line(target, series)
+    lines.append(pin)
     old = target.load_marker()
     if old is not None:
-        lines.append(f"recorded:    {markers.describe(old)} ({old.get('kind')})")
-    lines.append(f"series:      revision {series.revision}, {_patch_word(len(series.patches))} "
+        lines.append(f"recorded:    {old.describe()} ({old.kind})")
+    lines.append(f"series:      revision {series.revision}, {patch_word(len(series.patches))} "
                  f"from {series.directory}")
     if problem:
         return lines
-    reasons: Dict[str, str] = {}
-    per, summary = patch_states(target, series, reasons)
-    lines.append(f"state:       {summary}")
+    states = patch_states(target, series)
+    lines.append(f"state:       {states.summary}")
     for patch in series.patches:
-        lines.append(f"  {per.get(patch.name, '?'):<12} {patch.name}  {patch.subject}")
-        if patch.name in reasons:
-            lines.append(f"  {'':<12} already in base: retired ({reasons[patch.name]}); "
+        lines.append(f"  {states.per_patch.get(patch.name, '?')!s:<12} {patch.name}  {patch.subject}")
+        if patch.name in states.retired:
+            lines.append(f"  {'':<12} already in base: retired ({states.retired[patch.name]}); "
                          "drop it from the series")
         missing = patch.missing_dep3()
         if missing:
             lines.append(f"  {'':<12} warning: missing DEP-3 field(s): {', '.join(missing)}")
+    for path in states.skipped:
+        lines.append(f"note:        {path} is not part of an installed torch or wheel: skipped here "
+                     "(source checkouts and export include it)")
     return lines
 
 
-def check(target: Target, series: Series):
+def check(target: Target, series: Series) -> Tuple[List[str], Optional[TorchPatchesError]]:
     """Dry run of apply. Returns ``(lines, error)``; ``error`` is ``None`` when apply would succeed."""
     lines = list(target.describe())
     try:
-        plan = plan_apply(target, series)
+        plan: Optional[Plan] = plan_apply(target, series)
         error = None
     except TorchPatchesError as exc:
         plan, error = None, exc
-    per = {}
+    per: Dict[str, State] = {}
     if error is None or error.exit_code != REFUSED:
-        per, summary = patch_states(target, series)
-        lines.append(f"state: {summary}")
+        states = patch_states(target, series)
+        per = states.per_patch
+        lines.append(f"state: {states.summary}")
     for patch in series.patches:
         state = per.get(patch.name, "?")
-        if state == NOT_APPLIED and error is None:
-            state = "applies cleanly"
-        lines.append(f"  {state:<16} {patch.name}  {patch.subject}")
+        shown = "applies cleanly" if state is NOT_APPLIED and error is None else str(state)
+        lines.append(f"  {shown:<16} {patch.name}  {patch.subject}")
     if plan is not None:
-        if plan.already or plan.message.startswith("already"):
-            lines.append(f"ok: {plan.message}")
-        else:
+        if plan.outcome is Outcome.WRITE:
             changed = [p for p in plan.new if plan.new[p] != plan.pristine.get(p)]
-            lines.append(f"ok: apply would succeed ({_patch_word(len(series.patches))}, "
+            lines.append(f"ok: apply would succeed ({patch_word(len(series.patches))}, "
                          f"{len(changed)} files change)")
+        else:
+            lines.append(f"ok: {plan.message}")
     return lines, error

@@ -1,7 +1,11 @@
-"""Read, edit and verify a dist-info ``RECORD`` (PEP 376 / PEP 627).
+"""A dist-info ``RECORD`` (PEP 376 / PEP 627): read once, look up in O(1), edit, verify.
 
-Edits keep every untouched line byte for byte (including its ``\\r\\n``), so
-that :func:`Record.undo` can restore the original file exactly.
+The one owner of RECORD for every command: ``apply``/``revert`` edit the
+installed RECORD (:meth:`Record.update` / :meth:`Record.undo`), ``wheel``
+writes the patched wheel's (:meth:`Record.rewritten`) and ``wheel --verify``
+checks it (:meth:`Record.verify`). Edits keep every untouched line byte for
+byte (including its ``\\r\\n``), so that :meth:`Record.undo` restores the
+original file exactly.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import base64
 import csv
 import hashlib
 import io
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 
 def record_hash(data: bytes) -> str:
@@ -19,13 +23,27 @@ def record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
-def _parse_line(line: str) -> List[str]:
-    rows = list(csv.reader([line.rstrip("\r\n")]))
-    return rows[0] if rows else []
+class Row(NamedTuple):
+    path: str
+    hash: str
+    size: str
+
+
+def _parse_line(line: str) -> Optional[Row]:
+    text = line.rstrip("\r\n")
+    if '"' not in text:  # csv quotes any field with a comma: split from the right
+        fields = text.rsplit(",", 2) if text else []
+        if len(fields) == 3:
+            return Row(fields[0], fields[1], fields[2])
+    fields = next(csv.reader([text]), [])
+    if not fields:
+        return None
+    fields += [""] * (3 - len(fields))
+    return Row(fields[0], fields[1], fields[2])
 
 
 class Record:
-    """A RECORD file as a list of raw lines with a path index."""
+    """A RECORD file: its raw lines, each parsed once, and a path index."""
 
     def __init__(self, text: str):
         self.lines: List[str] = text.splitlines(keepends=True)
@@ -33,52 +51,71 @@ class Record:
         self.newline = "\r\n" if first.endswith("\r\n") else "\n"
         if self.lines and not self.lines[-1].endswith("\n"):
             self.lines[-1] += self.newline
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._parsed = [_parse_line(line) for line in self.lines]
+        self._index = {row.path: i for i, row in enumerate(self._parsed) if row is not None}
+
+    def copy(self) -> "Record":
+        """An independent copy (no re-parsing)."""
+        other = Record.__new__(Record)
+        other.lines, other.newline = list(self.lines), self.newline
+        other._parsed, other._index = list(self._parsed), dict(self._index)
+        return other
 
     # -- reading -----------------------------------------------------------
     def text(self) -> str:
         return "".join(self.lines)
 
-    def rows(self) -> List[Tuple[str, str, str]]:
-        out = []
-        for line in self.lines:
-            fields = _parse_line(line)
-            if fields:
-                fields += [""] * (3 - len(fields))
-                out.append((fields[0], fields[1], fields[2]))
-        return out
+    def rows(self) -> List[Row]:
+        return [row for row in self._parsed if row is not None]
 
-    def _index(self) -> Dict[str, int]:
-        return {(_parse_line(line) or [""])[0]: i for i, line in enumerate(self.lines)}
+    def __contains__(self, path: str) -> bool:
+        return path in self._index
 
     def get(self, path: str) -> Optional[Tuple[str, str]]:
         """``(hash, size)`` recorded for ``path``, or ``None`` if not listed."""
-        i = self._index().get(path)
+        i = self._index.get(path)
         if i is None:
             return None
-        fields = _parse_line(self.lines[i]) + ["", ""]
-        return fields[1], fields[2]
+        row = self._parsed[i]
+        assert row is not None
+        return row.hash, row.size
 
     def line_for(self, path: str, data: Optional[bytes]) -> str:
+        """The RECORD line for ``path`` with content ``data`` (``None``: no hash, as for RECORD itself)."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator=self.newline)
-        if data is None:
-            writer.writerow([path, "", ""])
-        else:
-            writer.writerow([path, record_hash(data), str(len(data))])
+        writer.writerow([path, "", ""] if data is None else [path, record_hash(data), str(len(data))])
         return buf.getvalue()
 
+    def verify(self, paths: Iterable[str], read: Callable[[str], Optional[bytes]]) -> List[str]:
+        """Problems with the files at ``paths`` (``read(path)``: content, ``None``: absent) against this RECORD."""
+        problems = []
+        for path in paths:
+            data = read(path)
+            row = self.get(path)
+            if data is None:
+                if row is not None and row[0]:
+                    problems.append(f"{path}: listed in RECORD but missing")
+            elif row is None:
+                problems.append(f"{path}: not listed in RECORD")
+            elif row[0] != record_hash(data) or (row[1] and int(row[1]) != len(data)):
+                problems.append(f"{path}: hash/size does not match RECORD")
+        return problems
+
     # -- editing -------------------------------------------------------------
-    def update(self, changes: Dict[str, Optional[bytes]]) -> Dict[str, list]:
+    def update(self, changes: Mapping[str, Optional[bytes]]) -> Dict[str, list]:
         """Point rows at new contents; ``None`` content removes the row.
 
         Returns an undo log ``{path: [original_index_or_None, original_line]}``
         for :meth:`undo`. Rows for new paths are appended at the end.
         """
-        index = self._index()
         undo: Dict[str, list] = {}
         removed = []
         for path, data in changes.items():
-            i = index.get(path)
+            i = self._index.get(path)
             undo[path] = [i, self.lines[i] if i is not None else None]
             if i is None:
                 if data is not None:
@@ -89,33 +126,47 @@ class Record:
                 self.lines[i] = self.line_for(path, data)
         for i in sorted(removed, reverse=True):
             del self.lines[i]
+        self._reindex()
         return undo
 
-    def undo(self, log: Dict[str, list]) -> None:
+    def undo(self, log: Mapping[str, list]) -> None:
         """Reverse :meth:`update` given its log (byte-exact)."""
         added = {p for p, (i, _) in log.items() if i is None}
-        self.lines = [l for l in self.lines if (_parse_line(l) or [""])[0] not in added]
-        index = self._index()
-        deleted = sorted((i, line) for p, (i, line) in log.items() if i is not None and p not in index)
+        self.lines = [line for line, row in zip(self.lines, self._parsed) if row is None or row.path not in added]
+        self._reindex()
+        deleted = sorted((i, line) for p, (i, line) in log.items() if i is not None and p not in self._index)
         for i, line in deleted:
             self.lines.insert(i, line)
-        index = self._index()
+        self._reindex()
         for path, (i, line) in log.items():
-            if i is not None and path in index:
-                self.lines[index[path]] = line
+            if i is not None and path in self._index:
+                self.lines[self._index[path]] = line
+        self._reindex()
 
-
-def verify_rows(rows, read) -> List[str]:
-    """Check ``rows`` against ``read(path) -> bytes | None``; list the problems."""
-    problems = []
-    for path, hash_, size in rows:
-        if not hash_:
-            continue
-        data = read(path)
-        if data is None:
-            problems.append(f"{path}: listed in RECORD but missing")
-        elif record_hash(data) != hash_:
-            problems.append(f"{path}: hash does not match RECORD")
-        elif size and int(size) != len(data):
-            problems.append(f"{path}: size does not match RECORD")
-    return problems
+    def rewritten(self, rename: Callable[[str], str], content: Mapping[str, Optional[bytes]],
+                  record_path: str) -> str:
+        """The RECORD of a rewritten archive: rows renamed by ``rename``, rows of
+        ``content`` rehashed (``None``: dropped), new ``content`` paths listed just
+        before ``record_path`` (which keeps no hash). Other rows are kept verbatim."""
+        out: List[str] = []
+        listed = set()
+        for line, row in zip(self.lines, self._parsed):
+            if row is None:
+                continue
+            path = rename(row.path)
+            listed.add(path)
+            if path == record_path:
+                for extra in sorted(p for p in content if p not in listed and content[p] is not None):
+                    out.append(self.line_for(extra, content[extra]))
+                    listed.add(extra)
+                out.append(self.line_for(path, None))
+            elif path in content:
+                if content[path] is not None:
+                    out.append(self.line_for(path, content[path]))
+            elif path != row.path:
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator=self.newline).writerow([path, row.hash, row.size])
+                out.append(buf.getvalue())
+            else:
+                out.append(line if line.endswith(self.newline) else line.rstrip("\r\n") + self.newline)
+        return "".join(out)

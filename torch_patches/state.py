@@ -1,44 +1,64 @@
-"""Work out where a set of files stands with respect to the series.
+"""Work out where a set of files stands with respect to the series, and which
+patches the base already contains (retirement).
 
 Pure functions over ``{path: bytes | None}``; nothing here touches the disk.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 from .errors import PatchApplyError
-from .patching import Files, apply_patches, git_blob_id
+from .files import Files
+from .patching import apply_patches, git_blob_id
 from .series import Patch, Series
 
-APPLIED, NOT_APPLIED, CONFLICTS = "applied", "not applied", "conflicts"
-#: A patch the base already contains (upstream merged it): skipped, never applied.
-RETIRED = "retired"
+
+class State(str, enum.Enum):
+    """Where the series, or one patch of it, stands on a target."""
+
+    APPLIED = "applied"
+    NOT_APPLIED = "not applied"
+    #: The first k patches are applied and the rest are not (series only).
+    PARTIAL = "partial"
+    CONFLICTS = "conflicts"
+    #: A patch the base already contains (upstream merged it): skipped, never applied.
+    RETIRED = "retired"
+    #: A patch whose every file is one this target does not hold (``docs/`` in an installed torch).
+    NOT_PACKAGED = "not packaged"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+APPLIED, NOT_APPLIED, PARTIAL, CONFLICTS, RETIRED = (State.APPLIED, State.NOT_APPLIED, State.PARTIAL,
+                                                     State.CONFLICTS, State.RETIRED)
 
 
 @dataclass
 class SeriesState:
-    """``kind`` is ``applied``, ``not applied``, ``partial`` or ``conflicts``."""
+    """The state of the whole series, and of each patch."""
 
-    kind: str
-    per_patch: Dict[str, str] = field(default_factory=dict)
+    kind: State
+    per_patch: Dict[str, State] = field(default_factory=dict)
     pristine: Optional[Files] = None  # the base contents, when they can be derived
     errors: Dict[str, str] = field(default_factory=dict)  # patch name -> why it conflicts
 
     def describe(self) -> str:
-        if self.kind == "partial":
-            applied = [n for n, s in self.per_patch.items() if s == APPLIED]
-            missing = [n for n, s in self.per_patch.items() if s != APPLIED]
+        if self.kind is PARTIAL:
+            applied = [n for n, s in self.per_patch.items() if s is APPLIED]
+            missing = [n for n, s in self.per_patch.items() if s is not APPLIED]
             return (f"the tree is half-applied: {', '.join(applied)} applied; "
                     f"{', '.join(missing)} not applied")
-        if self.kind == CONFLICTS:
+        if self.kind is CONFLICTS:
             return "; ".join(f"{n}: {why}" for n, why in self.errors.items()) or "conflicts"
-        return self.kind
+        return self.kind.value
 
 
-def _apply(files: Files, patches: List[Patch], reverse: bool = False) -> Files:
+def _apply(files: Files, patches, reverse: bool = False) -> Files:
     for patch in (reversed(patches) if reverse else patches):
         files = apply_patches(files, patch.files, where=patch.name, reverse=reverse)
     return files
@@ -74,7 +94,7 @@ def analyze(series: Series, current: Files) -> SeriesState:
         except PatchApplyError:
             continue
         per = {n: (APPLIED if i < k else NOT_APPLIED) for i, n in enumerate(names)}
-        return SeriesState("partial", per, pristine=pristine)
+        return SeriesState(PARTIAL, per, pristine=pristine)
     per, errors = {}, {}
     files = current
     for patch in patches:  # the first patch that fails when applied in order
@@ -211,7 +231,23 @@ def find_retired(series: Series, base_files: Files) -> Dict[str, str]:
     return retired
 
 
-def without(series: Series, names) -> Series:
-    """``series`` minus the patches named in ``names`` (same directory and revision)."""
-    return Series(directory=series.directory, revision=series.revision,
-                  patches=[p for p in series.patches if p.name not in names])
+def retired_in(series: Series, base_files: Files, unmodified: bool) -> Dict[str, str]:
+    """``{patch name: reason}`` for the patches the base ``base_files`` contains,
+    judged only when the caller proved them ``unmodified`` (see [Note: retired patches])."""
+    if not series.patches or not unmodified:
+        return {}
+    return find_retired(series, base_files)
+
+
+def patch_word(n: int) -> str:
+    return f"{n} patch" + ("" if n == 1 else "es")
+
+
+def retired_lines(retired: Mapping[str, str]) -> str:
+    """What ``apply`` prints for the patches it skipped."""
+    return "".join(f"\nskipped {name}: already in base: retired ({why})" for name, why in retired.items())
+
+
+def retired_summary(retired: Mapping[str, str]) -> str:
+    """What ``status`` adds to its state line."""
+    return f" ({patch_word(len(retired))} already in base: retired)" if retired else ""

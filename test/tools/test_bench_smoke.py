@@ -1,26 +1,34 @@
-"""Smoke test of the benchmarks in tools/bench: each script runs at a tiny size.
+"""Smoke test of the benchmarks in tools/bench: each script runs at a tiny size,
+writes its result file, and render.py turns the files into the README block.
 
 A benchmark is not a test: nothing here looks at timings or counts, only that
-every script runs and prints its table. Scripts that need torch run with the
-interpreter running pytest (the test venv has the patched torch 2.15.0);
-torchtitan comparisons are left out (``--no-torchtitan``) unless torchtitan is
-importable. The full run is ``bash tools/bench/run_all.sh`` (README, "Benchmarks").
+every script runs, records where it ran, and that rendering is a pure function
+of the result files. Scripts that need torch run with the interpreter running
+pytest (the test venv has the patched torch); torchtitan comparisons are left
+out (``--no-torchtitan``) unless torchtitan is importable. The full run is
+``bash tools/bench/run_all.sh`` (README, "Benchmarks").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "tools" / "bench"
+sys.path.insert(0, str(BENCH))
+import render  # noqa: E402
 
 
-def run(*args: str, timeout: int = 120) -> str:
+def run(*args: str, timeout: int = 180) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -28,41 +36,105 @@ def run(*args: str, timeout: int = 120) -> str:
     return proc.stdout
 
 
-def test_collectives_tiny():
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-results")
+
+
+def _meta_ok(path: Path, name: str) -> dict:
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == name
+    meta = data["meta"]
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?|unknown", meta["commit"]) and meta["torch_patches"]
+    assert isinstance(meta["load_before"], float) and meta["series"].count("+") == 1
+    return data
+
+
+def test_collectives_tiny(results_dir):
     out = run(str(BENCH / "collectives.py"), "--vocab", "64", "--dim", "8", "--seq", "8",
               "--layers", "1", "--microbatches", "2", "--num-chunks", "2", "--configs", "FSDP",
-              "--methods", "a,c,d")
-    assert "reduce-scatter" in out and "full logits" in out
-    assert "error" not in out
+              "--methods", "a,c,d", "--json", str(results_dir / "collectives-patched.json"))
+    assert "reduce-scatter" in out and "full logits" in out and "error" not in out
+    data = _meta_ok(results_dir / "collectives-patched.json", "collectives")
+    per_method = render.measured_per_group(data["results"])
+    assert per_method["a"]["reduce_scatter"] == {"layer": 1, "head": 1, "root": 1}
+    assert per_method["d"]["partial"] == {"reduce_scatter": {"head": 1}}  # the norm, reduced again
 
 
-def test_pp_collectives_tiny():
-    out = run(str(BENCH / "pp_collectives.py"), "--schedules", "GPipe")
-    assert "| GPipe | 3 |" in out
+def test_pp_collectives_tiny(results_dir):
+    out = run(str(BENCH / "pp_collectives.py"), "--schedules", "GPipe", "--json", str(results_dir / "pp-patched.json"))
+    assert re.search(r"\| GPipe +\| 0 +\| 3 ", out), out
+    _meta_ok(results_dir / "pp-patched.json", "pp_collectives")
 
 
-def test_step_time_tiny():
+def test_step_time_tiny(results_dir):
     extra = [] if importlib.util.find_spec("torchtitan") else ["--no-torchtitan"]
     out = run(str(BENCH / "step_time.py"), "--vocab", "64", "--dim", "8", "--layers", "1",
               "--seq", "8", "--microbatches", "2", "--num-chunks", "2", "--warmup", "1",
-              "--steps", "1", *extra)
+              "--steps", "1", *extra, "--json", str(results_dir / "step_time.json"))
     assert "median ms/step" in out
+    _meta_ok(results_dir / "step_time.json", "step_time")
 
 
-def test_memory_tiny():
+def test_memory_tiny(results_dir):
     out = run(str(BENCH / "memory.py"), "--dim", "8", "--num-chunks", "2",
-              "--vocab-sweep", "256x16", "--seq-sweep", "256x16")
+              "--vocab-sweep", "256x16", "--seq-sweep", "256x16", "--json", str(results_dir / "memory.json"))
     assert "chunked: peak MiB" in out
+    _meta_ok(results_dir / "memory.json", "memory")
 
 
-def test_wheel_build_tiny(tmp_path):
+def test_wheel_build_tiny(tmp_path, results_dir):
     # A tiny stand-in wheel: only `cp` runs on it (the real comparison needs
-    # the 2.15.0 base wheel and `wheel`; run_all.sh does that)
-    whl = tmp_path / "torch-2.15.0-cp311-cp311-manylinux_2_28_x86_64.whl"
+    # the base wheel and `wheel`; run_all.sh does that)
+    whl = tmp_path / "torch-0.0.0-cp311-cp311-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(whl, "w") as zf:
         zf.writestr("torch/__init__.py", "")
-    out = run(str(BENCH / "wheel_build.py"), "--base", str(whl), "--repeat", "1", "--methods", "cp")
+    out = run(str(BENCH / "wheel_build.py"), "--base", str(whl), "--repeat", "1", "--methods", "cp",
+              "--json", str(results_dir / "wheel_build.json"))
     assert "| cp" in out
+    _meta_ok(results_dir / "wheel_build.json", "wheel_build")
+
+
+def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
+    """Run after the scripts above: two renders of the same files are byte-identical,
+    and the README block is replaced in place (nothing outside it changes)."""
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Benchmarks\n\nintro\n\n{render.BEGIN}\nold\n{render.END}\n\n## Layout\n")
+    for _ in range(2):
+        run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--no-plots")
+    text = readme.read_text()
+    first = text
+    run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--no-plots")
+    assert readme.read_text() == first
+    assert text.startswith("# x\n\n## Benchmarks\n\nintro\n\n") and text.endswith(f"{render.END}\n\n## Layout\n")
+    assert "old" not in text and "Not measured yet: no `parity.json`" in text
+    assert "**5. Scale, on paper**" in text and "| Llama-3 70B | 1024 |" in text
+    run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--check")
+
+
+def test_scale_arithmetic():
+    groups = render.model_groups(4096, 32, 14336, 1024)
+    assert groups["layer"] == (32, 218_112_000)  # attention 41.9M + MLP 176.2M + 2 norms
+    assert groups["root"] == (1, 128256 * 4096)
+    one_each = {"reduce_scatter": {"layer": 1, "head": 1, "root": 1}, "all_gather": {}}
+    total = sum(n * c for n, c in groups.values())
+    # one fp32 reduce-scatter of every parameter: (DP-1)/DP * 4 bytes * parameters (~8.03e9)
+    assert render.bytes_per_step(one_each, groups, 8) == pytest.approx(7 / 8 * 4 * total)
+    assert 8.0e9 < total < 8.1e9
+
+
+def test_readme_block_matches_committed_results():
+    """The README's tables are the committed result files, rendered (no table by hand)."""
+    run(str(BENCH / "render.py"), "--check", "--no-plots")
+
+
+def test_no_machine_specific_paths():
+    offenders = []
+    for path in list((REPO / "tools").rglob("*")) + list((REPO / "torch_patches").rglob("*.py")) + [REPO / "README.md"]:
+        if path.is_file() and path.suffix in (".py", ".sh", ".md", ".txt", ".json"):
+            text = path.read_text(errors="replace")
+            offenders += [f"{path.relative_to(REPO)}: {p}" for p in ("/root/", "/home/", "/opt/wheels") if p in text]
+    assert offenders == []
 
 
 def test_run_all_is_valid_bash():

@@ -43,7 +43,7 @@ def test_init_edit_export_round_trip(fake_python, site, one_patch, tmp_path):
     assert (out1 / "series").read_text().strip() == "0001-FSDP2-Add-policy.patch"
     text = (out1 / "0001-FSDP2-Add-policy.patch").read_text()
     assert text.startswith("From 0000000000000000000000000000000000000000 ")
-    assert "Subject: [PATCH 1/1] [FSDP2] Add policy" in text and "Last-Update: 2026-01-01" in text
+    assert "Subject: [PATCH] [FSDP2] Add policy" in text and "Last-Update: 2026-01-01" in text
     tree2 = tmp_path / "tree2"
     devtree("init", tree2, "--python", fake_python, "--series", out1)
     out2 = tmp_path / "out2"
@@ -55,12 +55,21 @@ def test_init_edit_export_round_trip(fake_python, site, one_patch, tmp_path):
     (tree / API).write_bytes((tree / API).read_bytes() + b"# second change\n")
     git(tree, "commit", "-qam", "[FSDP2] Second\n\nBug: https://github.com/pytorch/pytorch/issues/203176\n"
                                 "Forwarded: no\nLast-Update: 2026-02-03")
+    first = (out1 / "0001-FSDP2-Add-policy.patch").read_bytes()
     devtree("export", tree, "--series", out1)
     names = (out1 / "series").read_text().split()
     assert names == ["0001-FSDP2-Add-policy.patch", "0002-FSDP2-Second.patch"]
-    assert "Subject: [PATCH 2/2] [FSDP2] Second" in (out1 / names[1]).read_text()
+    assert "Subject: [PATCH] [FSDP2] Second" in (out1 / names[1]).read_text()
+    assert (out1 / names[0]).read_bytes() == first  # adding a patch rewrites no other file
     run_cli("apply", "--python", fake_python, "--series", out1, check=0)
     assert (site / API).read_bytes() == (tree / API).read_bytes()
+
+    # a long subject is cut at a word boundary, not mid-word
+    (tree / API).write_bytes((tree / API).read_bytes() + b"# third change\n")
+    git(tree, "commit", "-qam", "[FSDP2] Add partial_backward() and finish_forward() for chunked loss\n\n"
+                                "Bug: none yet\nForwarded: not-yet\nLast-Update: 2026-02-04")
+    devtree("export", tree, "--series", out1)
+    assert (out1 / "series").read_text().split()[-1] == "0003-FSDP2-Add-partial_backward-and-finish_forward-for.patch"
 
     # export refuses a dirty tree; init refuses a non-empty directory
     (tree / API).write_bytes(b"dirty\n")

@@ -7,10 +7,11 @@ import textwrap
 
 import pytest
 
-from tooling import API, STATE, edit, load, run_cli, tree_digest, unified, write_patch, write_series
-from torch_patches import base, export as ex, ops
-from torch_patches.installed import BASE_PREFIXES, run_locate
-from torch_patches.onto import check_onto
+from tooling import API, BASE, STATE, edit, load, run_cli, tree_digest, unified, write_patch, write_series
+from torch_patches import ops
+from torch_patches.upstream import export as ex
+from torch_patches.targets.installed import run_locate
+from torch_patches.upstream.onto import check_onto
 from torch_patches.record import Record
 from torch_patches.state import RETIRED, apply_series, retired_reason
 from torch_patches.series import parse_patch
@@ -55,7 +56,7 @@ def _git(tree, *args):
 
 def _base_files(pristine_site):
     return {str(p.relative_to(pristine_site)): p.read_bytes()
-            for prefix in BASE_PREFIXES for p in (pristine_site / prefix).rglob("*.py")}
+            for prefix in BASE.prefixes for p in (pristine_site / prefix).rglob("*.py")}
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_export_stack_applies_with_git_am(pristine_site, stack, tmp_path):
     pr = (out / "203177" / "PR.md").read_text()
     assert pr.startswith("# [FSDP2] Add policy\n") and "Fixes #203177" in pr
     assert "## Summary" in pr and "## Test Plan" in pr and f"python {POLICY_TEST}" in pr
-    assert base.BASE_GIT_VERSION[:12] in pr and "2.15.0" in pr
+    assert BASE.git_version[:12] in pr and BASE.version in pr
     assert "Not run by the export" in pr  # nothing invented
     pr2 = (out / "203176" / "PR.md").read_text()
     assert "Fixes #203176" in pr2 and "Stacked on #203177" in pr2 and "Tests missing" in pr2
@@ -212,7 +213,7 @@ def _tree_from_site(fake_python, tmp_path):
     info = run_locate(fake_python)
     site = os.path.dirname(os.path.dirname(info["torch_init"]))
     tree = tmp_path / "onto"
-    for prefix in BASE_PREFIXES:
+    for prefix in BASE.prefixes:
         shutil.copytree(os.path.join(site, prefix), tree / prefix)
     return tree
 
@@ -246,8 +247,7 @@ def test_retired_patch_is_skipped(site, fake_python, two_patches):
 
 
 def load_first(series):
-    from torch_patches.series import Series
-    return Series(series.directory, series.patches[:1], series.revision)
+    return series.without([p.name for p in series.patches[1:]])
 
 
 def test_every_patch_retired(site, fake_python, one_patch):
@@ -281,3 +281,39 @@ def test_retired_by_public_api():
     assert retired_reason(patch, {"m.py": old}) is None  # it applies: live
     assert retired_reason(patch, {"m.py": b"class B:\n    pass\n"}) is None  # conflict, not retired
     assert ops.RETIRED == RETIRED == "retired"
+
+
+def test_patch_without_tracker_is_its_own_pr(pristine_site, stack, tmp_path):
+    series, repo = stack
+    d = series.directory
+    p2 = d / "0002-partial.patch"
+    p2.write_text(p2.read_text().replace("Bug: https://github.com/pytorch/pytorch/issues/203176", "Bug: none yet"))
+    out = tmp_path / "upstream"
+    result = ex.export(load(d), _base_files(pristine_site), out, repo)
+    assert [g.key for g in result.groups] == ["203177", "new-0002"]
+    pr = (out / "new-0002" / "PR.md").read_text()
+    assert "Fixes #" not in pr and "Stacked on #203177" in pr
+    assert [line.split("/")[0] for line in (out / "series").read_text().splitlines()
+            if not line.startswith("#")] == ["203177", "203177", "new-0002"]
+    patch = next((out / "new-0002").glob("*.patch")).read_text()
+    assert "Subject: [PATCH] [FSDP2] Add partial" in patch  # no n/m: adding a patch rewrites nothing else
+
+
+def test_tests_of_a_patch_without_tracker_map_by_name(pristine_site, stack, tmp_path):
+    series, repo = stack
+    d = series.directory
+    p2 = d / "0002-partial.patch"
+    p2.write_text(p2.read_text().replace("Bug: https://github.com/pytorch/pytorch/issues/203176",
+                                         "Bug: none yet (no tracker yet)"))
+    partial_test = "test/distributed/_composable/fsdp/test_partial.py"
+    (repo / partial_test).write_text("# Owner(s): [\"oncall: distributed\"]\nimport torch\n")
+    with open(d / "manifest.ini", "a") as fh:
+        fh.write(f"Partial = [FSDP2] | partial things | {partial_test}\n"
+                 "no-such-patch = [FSDP2] | nothing | test/none.py\n")
+    result = ex.export(load(d), _base_files(pristine_site), tmp_path / "upstream", repo)
+    group = result.groups[1]
+    assert group.key == "new-0002" and group.tracker.what == "partial things" and partial_test in group.tests
+    assert "Add tests for partial things" in (tmp_path / "upstream" / "new-0002" / next(
+        n for n in group.files if "tests" in n)).read_text()
+    assert any("no-such-patch: no patch file name contains it" in w for w in result.warnings)
+    assert not any("new-0002" in w or "0002-partial.patch (no tracker yet): no line" in w for w in result.warnings)

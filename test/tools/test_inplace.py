@@ -1,17 +1,14 @@
 """apply / revert / status on an installed torch (a fake site-packages copy)."""
 
 import json
-import os
+import re
 import stat
 
-import pytest
 
-from tooling import (API, FSDP_INIT, NEW_FILE, STATE, edit, empty_series_dir, run_cli, tree_digest,
-                      unified, write_patch, write_series)
-from torch_patches import base
+from tooling import (API, BASE, DI, FSDP_INIT, NEW_FILE, REVISION, STATE, edit, empty_series_dir, run_cli,
+                     tree_digest, unified, write_manifest, write_patch, write_series)
 from torch_patches.record import Record, record_hash
-
-DI = "torch-2.15.0.dist-info"
+from torch_patches.series import default_series_dir, shipped_series_dirs
 
 
 def record_consistent(site):
@@ -31,12 +28,12 @@ def record_consistent(site):
 def test_round_trip_one_patch(site, fake_python, one_patch):
     before = tree_digest(site)
     out = run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
-    assert f"applied series revision {base.SERIES_REVISION}: 1 patch" in out.stdout
+    assert f"applied series revision {REVISION}: 1 patch" in out.stdout
     assert b"# patched-by-0001" in (site / API).read_bytes()
     assert (site / NEW_FILE).read_bytes() == b"X = 1\n"
     marker = record_consistent(site)
     assert [p["name"] for p in marker["series"]["patches"]] == ["0001-add-policy.patch"]
-    assert marker["series"]["revision"] == base.SERIES_REVISION and marker["kind"] == "installed"
+    assert marker["series"]["revision"] == REVISION and marker["kind"] == "installed"
 
     again = run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
     assert "already applied" in again.stdout
@@ -72,7 +69,7 @@ def test_newer_series_replaces_older(site, fake_python, one_patch, two_patches):
     before = tree_digest(site)
     run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
     out = run_cli("apply", "--python", fake_python, "--series", two_patches, check=0)
-    assert f"replacing series revision {base.SERIES_REVISION} (0001-add-policy.patch)" in out.stdout
+    assert f"replacing series revision {REVISION} (0001-add-policy.patch)" in out.stdout
     assert not (site / NEW_FILE).exists()
     assert b"patched-by-0002" in (site / API).read_bytes()
     assert b"# patched-by-0001" not in (site / FSDP_INIT).read_bytes()
@@ -88,17 +85,17 @@ def test_wrong_version_refused(site, fake_python, one_patch):
     for cmd in ("apply", "revert"):
         out = run_cli(cmd, "--python", fake_python, "--series", one_patch)
         assert out.returncode == 3, out
-        assert "not the pinned base torch 2.15.0" in out.stderr and "Traceback" not in out.stderr
+        assert f"not the pinned base torch {BASE.version}" in out.stderr and "Traceback" not in out.stderr
     assert tree_digest(site) == before
     assert "pinned base: NO" in run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
 
 
 def test_other_release_refused(site, fake_python, one_patch):
     meta = site / DI / "METADATA"
-    meta.write_text(meta.read_text().replace("Version: 2.15.0", "Version: 2.14.1", 1))
+    meta.write_text(meta.read_text().replace(f"Version: {BASE.version}", "Version: 2.14.1", 1))
     before = tree_digest(site)
     out = run_cli("apply", "--python", fake_python, "--series", one_patch)
-    assert out.returncode == 3 and "install it with `pip install torch==2.15.0`" in out.stderr
+    assert out.returncode == 3 and f"install it with `pip install torch=={BASE.version}`" in out.stderr
     assert tree_digest(site) == before
 
 
@@ -196,3 +193,69 @@ def test_usage_errors():
     assert out.returncode == 2 and "not allowed with" in out.stderr
     out = run_cli("check")
     assert out.returncode == 2 and "--source" in out.stderr
+
+
+def test_newer_revision_upgrades_in_one_step(site, fake_python, one_patch, tmp_path):
+    # The same patches released as the next revision (manifest.ini [series] revision).
+    old_rev = one_patch
+    new_rev = write_manifest(tmp_path / "next", revision=REVISION + 1)
+    for p in old_rev.iterdir():
+        if p.name != "manifest.ini":
+            (new_rev / p.name).write_bytes(p.read_bytes())
+    before = tree_digest(site)
+    run_cli("apply", "--python", fake_python, "--series", old_rev, check=0)
+    status = run_cli("status", "--python", fake_python, "--series", new_rev, check=0).stdout
+    assert f"series revision {REVISION} (0001-add-policy.patch) is applied; a newer series exists " \
+           f"(revision {REVISION + 1}): `apply` upgrades to it in one step" in status, status
+    out = run_cli("apply", "--python", fake_python, "--series", new_rev, check=0).stdout
+    assert f"applied series revision {REVISION + 1}: 1 patch (replacing series revision {REVISION}" in out
+    status = run_cli("status", "--python", fake_python, "--series", new_rev, check=0).stdout
+    assert "state:       applied" in status and f"recorded:    series revision {REVISION + 1}" in status
+    status = run_cli("status", "--python", fake_python, "--series", old_rev, check=0).stdout
+    assert f"newer than this series (revision {REVISION})" in status
+    record_consistent(site)
+    run_cli("revert", "--python", fake_python, "--series", new_rev, check=0)
+    assert tree_digest(site) == before
+
+
+def _rebase_site(site, version, git_version):
+    """Make the fake installed torch claim another release (version.py and METADATA)."""
+    vpy = site / "torch/version.py"
+    text = vpy.read_text()
+    text = re.sub(r"(?m)^__version__ = .*$", f"__version__ = '{version}'", text, count=1)
+    text = re.sub(r"(?m)^git_version = .*$", f"git_version = '{git_version}'", text, count=1)
+    vpy.write_text(text)
+    meta = site / DI / "METADATA"
+    meta.write_text(meta.read_text().replace(f"Version: {BASE.version}", f"Version: {version}", 1))
+
+
+def test_second_base_with_its_own_manifest(site, fake_python, pristine_site, tmp_path):
+    """A series directory for another release carries its own pin; no code names a release."""
+    other_version, other_git = "9.1.0", "a" * 40
+    _rebase_site(site, other_version, other_git)
+    d = write_manifest(tmp_path / other_version, version=other_version, git_version=other_git, revision=4)
+    api = (pristine_site / API).read_bytes()
+    write_patch(d, "0001-other.patch", "Other base", unified(API, api, edit(api, "for-9.1")))
+    write_series(d, ["0001-other.patch"], revision=4)
+    write_manifest(d, version=other_version, git_version=other_git, revision=4)
+    status = run_cli("status", "--python", fake_python, "--series", d, check=0).stdout
+    assert f"pinned base: yes ({other_version}, {other_git[:12]})" in status, status
+    out = run_cli("apply", "--python", fake_python, "--series", d, check=0).stdout
+    assert "applied series revision 4: 1 patch" in out
+    marker = json.loads((site / DI / "TORCH_PATCHES.json").read_text())
+    assert marker["version"] == f"{other_version}+fsdp.4" and marker["base"]["version"] == other_version
+    # The shipped series (another base) refuses this torch.
+    out = run_cli("apply", "--python", fake_python)
+    assert out.returncode == 3 and f"not the pinned base torch {BASE.version}" in out.stderr
+    run_cli("revert", "--python", fake_python, "--series", d, check=0)
+
+
+def test_shipped_series_is_picked_by_base_version(tmp_path):
+    root = tmp_path / "patches"
+    for version in ("2.9.0", "10.0.0", "3.1.0"):
+        empty_series_dir(root / version)
+        write_manifest(root / version, version=version)
+    assert [d.name for d in shipped_series_dirs(root)] == ["2.9.0", "3.1.0", "10.0.0"]
+    assert default_series_dir("3.1.0", root=root).name == "3.1.0"
+    assert default_series_dir(None, root=root).name == "10.0.0"  # newest base
+    assert default_series_dir("4.0.0", root=root).name == "10.0.0"  # then its pin refuses the target

@@ -1,6 +1,6 @@
 """Upstream-style lint: the series adds no ruff or mypy warning to the files it touches.
 
-Both tools run on the pristine torch 2.15.0 copies of the touched files and on
+Both tools run on the pristine base torch copies of the touched files and on
 the patched copies (the shipped series applied in memory); every warning is
 normalised to ``(file, rule code, message)`` without line numbers, and the
 patched files may not have more of any than the pristine ones (a multiset
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tooling import load
-from torch_patches.series import DEFAULT_SERIES_DIR
+from torch_patches.series import default_series_dir
 from torch_patches.state import apply_series
 
 RUFF_CONFIG = """\
@@ -84,7 +84,7 @@ def _need(module):
 @pytest.fixture(scope="module")
 def trees(pristine_site, tmp_path_factory):
     """``(pristine dir, patched dir, touched .py paths)`` for the shipped series."""
-    series = load(DEFAULT_SERIES_DIR)
+    series = load(default_series_dir())
     pristine = {p: ((pristine_site / p).read_bytes() if (pristine_site / p).exists() else None)
                 for p in series.paths}
     patched = apply_series(series, pristine)

@@ -2,8 +2,7 @@
 
 import pytest
 
-from tooling import unified, write_patch, write_series
-from torch_patches import base
+from tooling import MANIFEST, unified, write_patch, write_series
 from torch_patches.errors import PatchApplyError, PatchFormatError, TorchPatchesError
 from torch_patches.patching import apply_file_patch, apply_patches, parse_diff
 from torch_patches.record import Record, record_hash
@@ -71,7 +70,7 @@ def test_series_and_dep3(tmp_path):
     assert a.dep3 == {"Bug": "https://github.com/pytorch/pytorch/issues/203177",
                       "Forwarded": "not-needed", "Last-Update": "2026-01-01"}
     assert b.missing_dep3() == ["Bug", "Forwarded", "Last-Update"]
-    assert series.paths == ["f.py", "g.py"] and series.version == base.patched_version()
+    assert series.paths == ["f.py", "g.py"] and series.version == MANIFEST.base.patched_version(MANIFEST.revision)
     (tmp_path / "series").write_text("0001-a.patch\nnot-a-patch\n")
     with pytest.raises(TorchPatchesError, match="expected a NNNN-slug.patch"):
         load_series(tmp_path)

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from tooling import API, NEW_FILE, REPO, empty_series_dir, run_cli, tree_digest
-from torch_patches import base
+from tooling import API, BASE, NEW_FILE, REPO, REVISION, empty_series_dir, run_cli, tree_digest
 
 MARKER = ".torch_patches.json"
 
@@ -41,7 +40,7 @@ def test_source_wrong_version(source_tree, one_patch):
     before = tree_digest(source_tree)
     for cmd in ("apply", "check"):
         out = run_cli(cmd, "--source", source_tree, "--series", one_patch)
-        assert out.returncode == 3 and "not the pinned base 2.15.0" in out.stderr
+        assert out.returncode == 3 and f"not the pinned base {BASE.version}" in out.stderr
     assert tree_digest(source_tree) == before
 
 
@@ -74,9 +73,9 @@ def _git(tree, *args):
 def test_git_checkout_must_be_pinned_commit(source_tree, one_patch):
     _git(source_tree, "init", "-q")
     _git(source_tree, "add", "-A")
-    _git(source_tree, "commit", "-qm", "not v2.15.0")
+    _git(source_tree, "commit", "-qm", "not the base")
     out = run_cli("apply", "--source", source_tree, "--series", one_patch)
-    assert out.returncode == 3 and "git -C" in out.stderr and "checkout v2.15.0" in out.stderr
+    assert out.returncode == 3 and "git -C" in out.stderr and f"checkout v{BASE.version}" in out.stderr
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
@@ -88,7 +87,7 @@ def test_cmake_apply_target(source_tree, one_patch, tmp_path):
     out = subprocess.run(["cmake", "--build", str(build), "--target", "apply_patches"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"applied series revision {base.SERIES_REVISION}: 1 patch" in out.stdout
+    assert f"applied series revision {REVISION}: 1 patch" in out.stdout
     patched = tree_digest(source_tree)
     assert b"patched-by-0001" in (source_tree / API).read_bytes()
     subprocess.run(configure, check=True, capture_output=True)  # reconfigure

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tooling import API, NEW_FILE, TOUCHED_DIRS, empty_series_dir, run_cli
-from torch_patches import base
-from torch_patches.fetch import pip_env, wheel_tags
+from tooling import API, BASE, DI, NEW_FILE, REVISION, TOUCHED_DIRS, empty_series_dir, run_cli
+from torch_patches.wheel.fetch import pip_env, wheel_tags
 from torch_patches.record import record_hash
-from torch_patches.wheel import output_name, verify_wheel
+from torch_patches.wheel.build import output_name, verify_wheel
 
-BASE_NAME = "torch-2.15.0-py3-none-any.whl"
-DI = "torch-2.15.0.dist-info"
+BASE_NAME = f"torch-{BASE.version}-py3-none-any.whl"
+PATCHED = BASE.patched_version(REVISION)
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +48,8 @@ def members(path):
         return {i.filename: zf.read(i.filename) for i in zf.infolist()}
 
 
-def check_patched_wheel(out: Path, base_wheel: Path, expect_changed: set, revision=base.SERIES_REVISION):
-    version = f"2.15.0+fsdp.{revision}"
+def check_patched_wheel(out: Path, base_wheel: Path, expect_changed: set, revision=REVISION):
+    version = BASE.patched_version(revision)
     assert out.name == f"torch-{version}-py3-none-any.whl"
     assert verify_wheel(out) == []
     new_di = f"torch-{version}.dist-info"
@@ -62,7 +61,8 @@ def check_patched_wheel(out: Path, base_wheel: Path, expect_changed: set, revisi
     assert changed == ({"torch/version.py", f"{DI}/METADATA", f"{DI}/RECORD"}
                        | {p for p in expect_changed if p in old})
     assert f"__version__ = '{version}'".encode() in new["torch/version.py"]
-    assert new["torch/version.py"].replace(version.encode(), b"2.15.0+cu132") == old["torch/version.py"]
+    local = f"{BASE.version}+cu132".encode()
+    assert new["torch/version.py"].replace(version.encode(), local) == old["torch/version.py"]
     assert f"\nVersion: {version}\n".encode() in new[f"{new_di}/METADATA"]
     with zipfile.ZipFile(out) as zf:  # unchanged members keep their compression and dates
         for info in zf.infolist():
@@ -76,12 +76,12 @@ def test_empty_series_wheel(base_wheel, tmp_path):
     series = empty_series_dir(tmp_path / "empty")
     proc = run_cli("wheel", "--base", base_wheel, "-o", tmp_path / "dist", "--series", series, "--verify", check=0)
     assert "done:" in proc.stdout and " s" in proc.stdout and "verify: ok" in proc.stdout
-    check_patched_wheel(tmp_path / "dist" / f"torch-{base.patched_version()}-py3-none-any.whl", base_wheel, set())
+    check_patched_wheel(tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl", base_wheel, set())
 
 
 def test_one_patch_wheel_and_pip_install(base_wheel, one_patch, tmp_path):
     run_cli("wheel", "--base", base_wheel, "-o", tmp_path / "dist", "--series", one_patch, check=0)
-    out = tmp_path / "dist" / f"torch-{base.patched_version()}-py3-none-any.whl"
+    out = tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl"
     new = check_patched_wheel(out, base_wheel, {API, "torch/distributed/fsdp/__init__.py", NEW_FILE})
     assert b"# patched-by-0001" in new[API]
     target = tmp_path / "target"
@@ -90,13 +90,13 @@ def test_one_patch_wheel_and_pip_install(base_wheel, one_patch, tmp_path):
                           env=pip_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (target / NEW_FILE).read_bytes() == b"X = 1\n"
-    assert (target / f"torch-{base.patched_version()}.dist-info/TORCH_PATCHES.json").is_file()
+    assert (target / f"torch-{PATCHED}.dist-info/TORCH_PATCHES.json").is_file()
     # status recognises a torch installed from the patched wheel
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     status = run_cli("status", "--python", wrapper, "--series", one_patch, check=0).stdout
-    assert f"patched wheel {base.patched_version()}" in status and "applied      0001-add-policy.patch" in status
+    assert f"patched wheel {PATCHED}" in status and "applied      0001-add-policy.patch" in status
     assert "already applied" in run_cli("apply", "--python", wrapper, "--series", one_patch, check=0).stdout
     out = run_cli("revert", "--python", wrapper, "--series", one_patch)
     assert out.returncode == 3 and "pip install --force-reinstall" in out.stderr
@@ -109,7 +109,7 @@ def test_wheel_without_base_uses_cache(base_wheel, one_patch, tmp_path):
     env = {"TORCH_PATCHES_CACHE": str(cache)}
     proc = run_cli("wheel", "-o", tmp_path / "dist", "--series", one_patch, check=0, env=env)
     assert f"base wheel (cached): {cache / BASE_NAME}" in proc.stdout
-    assert verify_wheel(tmp_path / "dist" / f"torch-{base.patched_version()}-py3-none-any.whl") == []
+    assert verify_wheel(tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl") == []
 
 
 def test_wheel_refuses_other_base(base_wheel, tmp_path, one_patch):
@@ -118,7 +118,7 @@ def test_wheel_refuses_other_base(base_wheel, tmp_path, one_patch):
         for info in src.infolist():
             data = src.read(info)
             if info.filename == "torch/version.py":
-                data = data.replace(base.BASE_GIT_VERSION.encode(), b"f" * 40)
+                data = data.replace(BASE.git_version.encode(), b"f" * 40)
             dst.writestr(info, data)
     out = run_cli("wheel", "--base", bad, "-o", tmp_path / "dist", "--series", one_patch)
     assert out.returncode == 3 and "not the pinned base" in out.stderr
@@ -128,25 +128,26 @@ def test_wheel_refuses_other_base(base_wheel, tmp_path, one_patch):
 
 
 def test_names_and_tags():
-    assert output_name("torch-2.15.0-cp311-cp311-manylinux_2_28_x86_64.whl", "2.15.0+fsdp.3") == \
-        "torch-2.15.0+fsdp.3-cp311-cp311-manylinux_2_28_x86_64.whl"
+    assert output_name("torch-1.2.3-cp311-cp311-manylinux_2_28_x86_64.whl", "1.2.3+fsdp.3") == \
+        "torch-1.2.3+fsdp.3-cp311-cp311-manylinux_2_28_x86_64.whl"
     assert wheel_tags("x-1-py2.py3-none-any.whl") == {"py2-none-any", "py3-none-any"}
-    assert base.patched_revision("2.15.0+fsdp.12") == 12 and base.patched_revision("2.15.0+cu132") is None
+    assert BASE.patched_revision(f"{BASE.version}+fsdp.12") == 12
+    assert BASE.patched_revision(f"{BASE.version}+cu132") is None
 
 
 def _real_base_wheel():
-    from torch_patches.fetch import cache_dir
+    from torch_patches.wheel.fetch import cache_dir
     candidates = [os.environ.get("TORCH_PATCHES_REAL_WHEEL", "")]
-    candidates += [str(p) for p in sorted(cache_dir().glob("torch-2.15.0-*.whl"))]
-    candidates += ["/root/wheelcache/torch-2.15.0-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    candidates += [str(p) for p in sorted(cache_dir().glob(f"torch-{BASE.version}-*.whl"))]
     return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
 
 
-@pytest.mark.skipif(_real_base_wheel() is None, reason="the real torch 2.15.0 wheel is not cached here")
+@pytest.mark.skipif(_real_base_wheel() is None, reason=f"the real torch {BASE.version} wheel is not cached "
+                    "(TORCH_PATCHES_REAL_WHEEL or the torch_patches cache)")
 def test_real_wheel(tmp_path):
     """Optional: the 540 MB base wheel, with the shipped series."""
     real = _real_base_wheel()
     proc = run_cli("wheel", "--base", real, "-o", tmp_path, check=0)
-    out = next(tmp_path.glob("torch-2.15.0+fsdp.*.whl"))
+    out = next(tmp_path.glob(f"torch-{BASE.version}+fsdp.*.whl"))
     assert verify_wheel(out) == []
     print(proc.stdout)

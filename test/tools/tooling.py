@@ -1,6 +1,6 @@
 """Helpers and fixtures for the tooling tests: fake site-packages, source trees, series.
 
-The "real" files come from the torch 2.15.0 installed for the interpreter
+The "real" files come from the pinned torch installed for the interpreter
 running the tests (found without importing torch). If that torch was patched
 in place (``tools/run_tests.sh`` does that), the snapshot is reverted to the
 pristine files first, using the tool's own revert.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
+import re
 import shutil
 import stat
 import sys
@@ -23,16 +24,23 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from torch_patches import base, ops  # noqa: E402
-from torch_patches.errors import TorchPatchesError  # noqa: E402
-from torch_patches.installed import InstalledTorch, run_locate  # noqa: E402
+from torch_patches import ops  # noqa: E402
+from torch_patches.targets.installed import InstalledTorch, run_locate  # noqa: E402
 from torch_patches.patching import git_blob_id  # noqa: E402
+from torch_patches.series import MANIFEST_NAME, default_series_dir, read_manifest  # noqa: E402
 
 TOUCHED_DIRS = ("torch/distributed/fsdp", "torch/distributed/pipelining")
 API = "torch/distributed/fsdp/_fully_shard/_fsdp_api.py"
 STATE = "torch/distributed/fsdp/_fully_shard/_fsdp_state.py"
 FSDP_INIT = "torch/distributed/fsdp/__init__.py"
 NEW_FILE = "torch/distributed/fsdp/_fully_shard/_fsdp_lifecycle.py"
+
+#: The shipped series directory and its manifest (the base every fixture copies).
+SHIPPED = default_series_dir()
+MANIFEST = read_manifest(SHIPPED)
+BASE = MANIFEST.base
+REVISION = MANIFEST.revision
+DI = f"torch-{BASE.version}.dist-info"
 
 
 def _copy_snapshot(site: Path, dest: Path) -> None:
@@ -58,7 +66,7 @@ def pristine_site(tmp_path_factory) -> Path:
     fake = InstalledTorch(python, {**info, "torch_init": str(dest / "torch/__init__.py")})
     if fake.kind == "wheel":
         pytest.skip("the test interpreter's torch comes from a patched wheel; use a base torch")
-    problem = fake.base_problem()
+    problem = fake.base_problem(BASE)
     if problem:
         pytest.skip(problem)
     if fake.load_marker() is not None:
@@ -67,7 +75,7 @@ def pristine_site(tmp_path_factory) -> Path:
     problems = fake.verify_pristine(fake.read_all(rels))
     if problems:
         pytest.skip(f"the torch of {python} was edited in place without torch_patches "
-                    f"({problems[0]}); point TORCH_PATCHES_TEST_PYTHON at a pristine torch 2.15.0")
+                    f"({problems[0]}); point TORCH_PATCHES_TEST_PYTHON at a pristine torch {BASE.version}")
     return dest
 
 
@@ -95,7 +103,7 @@ def source_tree(pristine_site, tmp_path) -> Path:
     for rel in TOUCHED_DIRS:
         shutil.copytree(pristine_site / rel, dest / rel)
     shutil.copy2(pristine_site / "torch/version.py", dest / "torch/version.py")
-    (dest / "version.txt").write_text(base.BASE_VERSION + "\n")
+    (dest / "version.txt").write_text(BASE.version + "\n")
     return dest
 
 
@@ -104,8 +112,20 @@ def load(directory):
     return load_series(directory)
 
 
-def empty_series_dir(directory: Path) -> Path:
+def write_manifest(directory: Path, revision=None, version=None, git_version=None) -> Path:
+    """Copy the shipped ``manifest.ini`` into ``directory``, optionally with another
+    revision or base (``version``/``git_version``)."""
+    text = (SHIPPED / MANIFEST_NAME).read_text()
+    for key, value in (("revision", revision), ("version", version), ("git_version", git_version)):
+        if value is not None:
+            text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST_NAME).write_text(text)
+    return directory
+
+
+def empty_series_dir(directory: Path) -> Path:
+    write_manifest(directory)
     (directory / "series").write_text("# empty\n")
     return directory
 
@@ -144,8 +164,8 @@ def write_patch(directory: Path, name: str, subject: str, diffs: str, dep3: bool
     return path
 
 
-def write_series(directory: Path, names) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+def write_series(directory: Path, names, revision=None) -> Path:
+    write_manifest(directory, revision=revision)
     (directory / "series").write_text("# test series\n" + "".join(n + "\n" for n in names))
     return directory
 

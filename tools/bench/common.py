@@ -1,7 +1,9 @@
 """
 Shared pieces of the benchmarks in ``tools/bench``: a tiny decoder-only LM
-whose forward stops before ``lm_head``, the FSDP/HSDP layouts, the four step
-methods compared, a collective counter and a fork-based gloo launcher.
+whose forward stops before ``lm_head`` (and its pipeline stages), the FSDP/HSDP
+layouts with the size of each FSDP group, the four step methods compared, and
+a fork-based gloo launcher. Collectives are counted by :mod:`counting`, result
+files written by :mod:`results` and tables rendered by :mod:`render`.
 
 The four methods (one optimizer step = ``M`` microbatches; gradients are
 reduced on the last one only, the caller's policy for the others is "no
@@ -23,9 +25,9 @@ sync"):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -39,25 +41,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-HEADS = ("separate", "grouped", "tied")
-METHOD_NAMES = {
-    "a": "series API (partial_backward + fsdp_policy)",
-    "b": "torchtitan ChunkedLossWrapper",
-    "c": "2.15.0 + restoring wrapper",
-    "d": "full logits (no chunking)",
-}
+from render import HEADS  # noqa: F401  (one list of heads for the scripts and the tables)
+
 
 
 def has_series_api() -> bool:
     return hasattr(FSDPModule, "partial_backward") and hasattr(FSDPModule, "fsdp_policy")
-
-
-def pipelining_patch_in_series(repo: Path) -> bool:
-    series = repo / "torch_patches" / "patches" / "series"
-    if not series.exists():
-        return False
-    return any("pipelin" in line.lower() for line in series.read_text().splitlines()
-               if line.strip() and not line.startswith("#"))
 
 
 # --------------------------------------------------------------------------- model
@@ -117,13 +106,38 @@ def make_mesh(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
-# --------------------------------------------------------------------------- counting
+def group_label(model: TinyLM):
+    """``label_of(param_group)`` for :meth:`counting.CallLog.count`: ``head`` (the group holding
+    ``lm_head``), ``layer`` (a decoder block) or ``root``."""
+    def label_of(group) -> str:
+        modules = getattr(group, "modules", ())
+        if any(m is model.lm_head for m in modules):
+            return "head"
+        if any(isinstance(m, Block) for m in modules):
+            return "layer"
+        return "root"
+
+    return label_of
 
 
-# The test suite's counter: the same wrapping of all_gather_single,
-# reduce_scatter_single and all_reduce, with bytes as this rank's buffer sizes
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "distributed"))
-from fsdp_lifecycle_testing import CollectiveCounter  # noqa: E402,F401
+class Stage(nn.Module):
+    """A pipeline stage cut from a :class:`TinyLM`: embeddings on the first, norm and head on the last."""
+
+    def __init__(self, model: TinyLM, layer_ids, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        # The chunked loss applies the head; forward stops before it
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.norm(x) if self.norm is not None else x
+
 
 # --------------------------------------------------------------------------- steps
 
@@ -212,6 +226,44 @@ def microbatch_fn(method: str, *, num_chunks: int, tokens_per_step: int) -> Call
     return {"a": microbatch_a, "c": microbatch_c, "d": microbatch_d}[method]
 
 
+# --------------------------------------------------------------------------- arguments
+
+#: The step's shape, shared by the scripts' arguments and their result files.
+STEP_SHAPE = ("microbatches", "num_chunks", "vocab", "dim", "layers", "batch", "seq")
+
+
+def add_step_args(p: argparse.ArgumentParser, *, vocab: int, dim: int, batch: int, seq: int) -> None:
+    """The chunked-loss step's shape (M=3 microbatches, N=4 chunks, 2 layers by default),
+    ``--no-torchtitan`` and ``--json``."""
+    p.add_argument("--microbatches", type=int, default=3)
+    p.add_argument("--num-chunks", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--no-torchtitan", action="store_true", help="skip method b")
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+def step_params(args, *extra: str) -> dict:
+    return {k: getattr(args, k) for k in (*STEP_SHAPE, *extra)}
+
+
+def runnable(methods: list[str], *, no_torchtitan: bool) -> list[str]:
+    """``methods`` without b when torchtitan is unwanted or not importable."""
+    if "b" not in methods:
+        return methods
+    if not no_torchtitan:
+        try:
+            import torchtitan.components.loss  # noqa: F401
+
+            return methods
+        except Exception as e:
+            print(f"torchtitan not importable ({type(e).__name__}: {e}); skipping method b")
+    return [m for m in methods if m != "b"]
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -243,11 +295,3 @@ def launch(fn, world_size: int, *args):
                 return json.loads(path.read_text())
             return {"error": f"{type(e).__name__}: {e}"}
         return json.loads(Path(tmp, "result.json").read_text())
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in r] for r in [headers, *rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)

@@ -19,7 +19,6 @@ their gradient (x2); for the chunked step, one chunk's share of that.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import render  # noqa: E402
+import results  # noqa: E402
 
-MiB = 1024 * 1024
 
 
 def _walk(nodes):
@@ -93,9 +93,9 @@ def main() -> None:
                    help="VOCABxSEQ points of the vocabulary sweep")
     p.add_argument("--seq-sweep", default="65536x1024,65536x2048,65536x4096",
                    help="VOCABxSEQ points of the sequence sweep")
-    p.add_argument("--plot", type=Path, help="write a PNG plot here")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write the results here (render.py draws the plot from it)")
     args = p.parse_args()
+    load_before = results.load()
     if not common.has_series_api():
         sys.exit("memory.py needs the patched torch (method a)")
     vocab_pts, seq_pts = parse_points(args.vocab_sweep), parse_points(args.seq_sweep)
@@ -105,41 +105,9 @@ def main() -> None:
     rows = common.launch(run, 1, args, points)
     if isinstance(rows, dict):
         sys.exit(rows["error"])
-    table_rows = []
-    for r in rows:
-        logits = r["seq"] * r["vocab"] * 4
-        table_rows.append([r["vocab"], r["seq"], f"{r['d'] / MiB:.1f}", f"{2 * logits / MiB:.1f}",
-                           f"{r['a'] / MiB:.1f}", f"{2 * logits / args.num_chunks / MiB:.1f}",
-                           f"{r['d'] / max(r['a'], 1):.1f}x"])
-    print(common.table(["vocab", "seq", "full: peak MiB", "full: logits+grad MiB",
-                        "chunked: peak MiB", "chunked: 1 chunk logits+grad MiB", "full/chunked"],
-                       table_rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows))
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        by = {(r["vocab"], r["seq"]): r for r in rows}
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
-        for ax, pts, key, xlabel in ((axes[0], vocab_pts, 0, "vocabulary (seq %d)" % vocab_pts[0][1]),
-                                     (axes[1], seq_pts, 1, "sequence length (vocab %d)" % seq_pts[0][0])):
-            xs = [pt[key] for pt in pts]
-            ax.plot(xs, [by[pt]["d"] / MiB for pt in pts], "o-", label="full logits: peak")
-            ax.plot(xs, [by[pt]["a"] / MiB for pt in pts], "s-", label="chunked: peak")
-            ax.plot(xs, [2 * pt[0] * pt[1] * 4 / MiB for pt in pts], "k--", label="logits+grad (analytic)")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("MiB (rank 0)")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"Peak step memory, chunked (N={args.num_chunks}) vs full logits "
-                     "(torch.profiler profile_memory)", fontsize=9)
-        fig.tight_layout()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot)
-        print(f"plot: {args.plot}")
+    params = {"dim": args.dim, "num_chunks": args.num_chunks, "vocab_sweep": vocab_pts, "seq_sweep": seq_pts}
+    results.write(args.json, "memory", params, rows, load_before, torch.__version__)
+    print(render.memory_table(rows, args.num_chunks))
 
 
 if __name__ == "__main__":

@@ -2,38 +2,46 @@
 # All benchmarks in one command: bash tools/bench/run_all.sh
 #
 # 1. makes two virtual environments with the project's own tooling:
-#      $BENCH_VENVS/pristine  torch==2.15.0 as released
+#      $BENCH_VENVS/pristine  the pinned torch as released
 #      $BENCH_VENVS/patched   the same, then `python -m torch_patches apply --python .../bin/python`
 #    each with torchtitan==0.3.0 (+ tyro, spmd_types==0.2.3), matplotlib and wheel;
 #    existing venvs are reused (pristine is reverted if something patched it);
-# 2. runs tools/bench/{collectives,step_time,memory,wheel_build}.py and prints
-#    their tables; the memory plot goes to $BENCH_OUT/memory.png.
+# 2. runs every script in tools/bench, each writing its JSON result file (commit,
+#    torch and tool versions, machine load) into $BENCH_OUT;
+# 3. renders every table of the README's Benchmarks section from those files
+#    (python tools/bench/render.py: the marked block is rewritten; same files,
+#    same bytes) and the plots next to the files.
 #
 # Environment:
 #   BENCH_VENVS  where the venvs live (default ~/.cache/torch_patches/bench)
-#   BENCH_OUT    results directory (default tools/bench/results)
+#   BENCH_OUT    results directory (default tools/bench/results; with BENCH_QUICK,
+#                ${TMPDIR:-/tmp}/torch_patches-bench-quick, rendered to
+#                $BENCH_OUT/benchmarks.md instead of the README)
 #   PYTHON       interpreter that creates the venvs (default python3)
 #   BENCH_CLONE_FROM=VENV  optimisation fallback only: create a missing venv
-#                with `cp -al VENV` (hard links; a venv that has torch==2.15.0)
-#                instead of `python -m venv` + `pip install torch==2.15.0`.
+#                with `cp -al VENV` (hard links; a venv that has the pinned torch)
+#                instead of `python -m venv` + `pip install torch==<pinned>`.
 #                Safe because `torch_patches apply/revert` replace files by
 #                rename and never write through a link.
 #   BENCH_QUICK=1  tiny sizes (what the smoke test uses), for a dry run
 # pip runs with PIP_CONFIG_FILE=/dev/null (a machine-wide cap on torch does
-# not apply); PIP_FIND_LINKS defaults to /root/wheelcache when it exists.
+# not apply); PIP_FIND_LINKS and PIP_INDEX_URL are passed through.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 BENCH_VENVS="${BENCH_VENVS:-$HOME/.cache/torch_patches/bench}"
-BENCH_OUT="${BENCH_OUT:-$REPO/tools/bench/results}"
+if [[ -n "${BENCH_QUICK:-}" ]]; then
+  BENCH_OUT="${BENCH_OUT:-${TMPDIR:-/tmp}/torch_patches-bench-quick}"
+else
+  BENCH_OUT="${BENCH_OUT:-$REPO/tools/bench/results}"
+fi
 PYTHON="${PYTHON:-python3}"
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PIP_CONSTRAINT || true
-if [[ -z "${PIP_FIND_LINKS:-}" && -d /root/wheelcache ]]; then export PIP_FIND_LINKS=/root/wheelcache; fi
-# expecttest: torch.testing._internal, which the shared CollectiveCounter
-# (test/distributed/fsdp_lifecycle_testing.py) imports
-BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel expecttest)
+# The pinned release, from the shipped series' manifest.ini (the CLI is stdlib-only)
+BASE_VERSION="$(PYTHONPATH="$REPO" "$PYTHON" -m torch_patches manifest --get base_version)"
+BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel)
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -43,18 +51,18 @@ torch_version() {
 
 make_venv() {  # make_venv DIR
   local v="$1"
-  if [[ "$(torch_version "$v/bin/python")" != 2.15.0 ]]; then
+  if [[ "$(torch_version "$v/bin/python")" != "$BASE_VERSION" ]]; then
     rm -rf "$v"
     if [[ -n "${BENCH_CLONE_FROM:-}" ]]; then
       step "creating $v by cp -al $BENCH_CLONE_FROM (optimisation fallback)"
       cp -al "$BENCH_CLONE_FROM" "$v"
     else
-      step "creating $v: python -m venv + pip install torch==2.15.0"
+      step "creating $v: python -m venv + pip install torch==$BASE_VERSION"
       "$PYTHON" -m venv "$v"
-      "$v/bin/python" -m pip install -q "torch==2.15.0"
+      "$v/bin/python" -m pip install -q "torch==$BASE_VERSION"
     fi
   fi
-  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel, expecttest' 2>/dev/null; then
+  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel' 2>/dev/null; then
     step "installing ${BENCH_REQS[*]} into $v"
     "$v/bin/python" -m pip install -q "${BENCH_REQS[@]}"
   fi
@@ -83,35 +91,37 @@ step "applying the series: python -m torch_patches apply --python $PATCHED"
 
 if [[ -n "${BENCH_QUICK:-}" ]]; then
   COLL=(--vocab 64 --dim 16 --seq 16 --configs FSDP)
+  PP=(--schedules GPipe)
   STEP=(--vocab 256 --dim 16 --layers 1 --seq 32 --warmup 1 --steps 2)
   MEM=(--vocab-sweep 1024x64,2048x64 --seq-sweep 1024x32,1024x64)
   WHEEL=(--repeat 1 --methods cp,torch-patches)
+  RENDER=(--out "$BENCH_OUT/benchmarks.md")
 else
-  COLL=() STEP=() MEM=() WHEEL=()
+  COLL=() PP=() STEP=() MEM=() WHEEL=() RENDER=()
 fi
 export PYTHONWARNINGS=ignore
 filter() { grep -v -E '^(USDT|ERROR):|DeviceProperties.cpp|CPUAllocator.cpp' || true; }
 B="$BENCH_OUT"
+DUMP="$(mktemp -d)"
+trap 'rm -rf "$DUMP"' EXIT
 T0=$SECONDS
-step "uptime: $(uptime)"
-step "1. collectives per optimizer step (unpatched 2.15.0: methods b, c, d)"
-"$PRISTINE" tools/bench/collectives.py "${COLL[@]}" --json "$B/collectives-pristine.json" \
-  --dump "$B/dump-pristine" 2>&1 | filter
-step "1. collectives per optimizer step (patched: methods a, b, d; merged with the unpatched run)"
+step "1. collectives per optimizer step (unpatched: methods b, c, d)"
+"$PRISTINE" tools/bench/collectives.py "${COLL[@]}" --json "$B/collectives-pristine.json" --dump "$DUMP" 2>&1 | filter
+step "1. collectives per optimizer step (patched: methods a, b, d; method b compared with the unpatched run)"
 "$PATCHED" tools/bench/collectives.py "${COLL[@]}" --methods a,b,d --json "$B/collectives-patched.json" \
-  --dump "$B/dump-patched" --compare "$B/collectives-pristine.json" \
-  --compare-dump "$B/dump-pristine" 2>&1 | filter
-step "1b. PP2 x FSDP2 reduce-scatters per step, chunked loss on the last stage (unpatched 2.15.0)"
-"$PRISTINE" tools/bench/pp_collectives.py 2>&1 | filter
-step "1b. PP2 x FSDP2, torchtitan's ChunkedLossWrapper as the loss (unpatched 2.15.0)"
-"$PRISTINE" tools/bench/pp_collectives.py --loss torchtitan 2>&1 | filter
-step "1b. PP2 x FSDP2 reduce-scatters per step (patched: partial_backward)"
-"$PATCHED" tools/bench/pp_collectives.py 2>&1 | filter
-step "2. step time (patched torch, same run)  [uptime: $(uptime | sed 's/.*load/load/')]"
-"$PATCHED" tools/bench/step_time.py "${STEP[@]}" 2>&1 | filter
+  --compare-dump "$DUMP" --parity-json "$B/parity.json" 2>&1 | filter
+step "1b. PP2 x FSDP2, chunked loss on the last stage (unpatched: plain inner backwards)"
+"$PRISTINE" tools/bench/pp_collectives.py "${PP[@]}" --json "$B/pp-pristine.json" 2>&1 | filter
+step "1b. PP2 x FSDP2, torchtitan's ChunkedLossWrapper as the loss (unpatched)"
+"$PRISTINE" tools/bench/pp_collectives.py "${PP[@]}" --loss torchtitan --json "$B/pp-pristine-torchtitan.json" 2>&1 | filter
+step "1b. PP2 x FSDP2 (patched: partial_backward)"
+"$PATCHED" tools/bench/pp_collectives.py "${PP[@]}" --json "$B/pp-patched.json" 2>&1 | filter
+step "2. step time (patched torch, same run)"
+"$PATCHED" tools/bench/step_time.py "${STEP[@]}" --json "$B/step_time.json" 2>&1 | filter
 step "3. peak memory, chunked vs full logits"
-"$PATCHED" tools/bench/memory.py "${MEM[@]}" --plot "$B/memory.png" --json "$B/memory.json" 2>&1 | filter
-step "4. patched-wheel build time  [uptime: $(uptime | sed 's/.*load/load/')]"
-"$PATCHED" tools/bench/wheel_build.py "${WHEEL[@]}" --wheel-python "$PATCHED" 2>&1 | filter
-rm -rf "$B/dump-pristine" "$B/dump-patched"
-step "done in $((SECONDS - T0)) s (benchmarks only); uptime: $(uptime)"
+"$PATCHED" tools/bench/memory.py "${MEM[@]}" --json "$B/memory.json" 2>&1 | filter
+step "4. patched-wheel build time"
+"$PATCHED" tools/bench/wheel_build.py "${WHEEL[@]}" --wheel-python "$PATCHED" --json "$B/wheel_build.json" 2>&1 | filter
+step "5. tables and plots from $B"
+"$PATCHED" tools/bench/render.py --results "$B" "${RENDER[@]}"
+step "done in $((SECONDS - T0)) s (benchmarks only)"

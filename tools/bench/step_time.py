@@ -14,7 +14,6 @@ Timing on a shared machine is noisy: read the ratios, not the absolute times.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import render  # noqa: E402
+import results  # noqa: E402
 
 
 def run(rank, world_size, args, methods):
@@ -61,29 +62,15 @@ def run(rank, world_size, args, methods):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--microbatches", type=int, default=3)
-    p.add_argument("--num-chunks", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=256)
+    common.add_step_args(p, vocab=8192, dim=64, batch=1, seq=256)
     p.add_argument("--head", default="grouped", choices=common.HEADS)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--no-torchtitan", action="store_true", help="skip method b")
     args = p.parse_args()
+    load_before = results.load()
     if not common.has_series_api():
         sys.exit("step_time.py needs the patched torch (method a)")
-    methods = ["a", "b", "d"]
-    if args.no_torchtitan:
-        methods.remove("b")
-    else:
-        try:
-            import torchtitan.components.loss  # noqa: F401
-        except Exception as e:
-            print(f"torchtitan not importable ({type(e).__name__}: {e}); skipping method b")
-            methods.remove("b")
+    methods = common.runnable(["a", "b", "d"], no_torchtitan=args.no_torchtitan)
     print(f"torch {torch.__version__}, FSDP world 2, {args.head} head, M={args.microbatches}, "
           f"N={args.num_chunks}, vocab {args.vocab}, dim {args.dim}, {args.layers} layers, "
           f"batch {args.batch}, seq {args.seq}; {args.steps} timed steps after {args.warmup} warm-up",
@@ -91,11 +78,9 @@ def main() -> None:
     times = common.launch(run, 2, args, methods)
     if "error" in times:
         sys.exit(times["error"])
-    med = {m: statistics.median(t) for m, t in times.items()}
-    rows = [[f"{m} {common.METHOD_NAMES[m]}", f"{med[m] * 1000:.1f}",
-             f"{min(times[m]) * 1000:.1f}", f"{max(times[m]) * 1000:.1f}", f"{med[m] / med['a']:.2f}"]
-            for m in methods]
-    print(common.table(["method", "median ms/step", "min", "max", "median / a"], rows))
+    params = common.step_params(args, "head", "warmup", "steps")
+    results.write(args.json, "step_time", params, times, load_before, torch.__version__)
+    print(render.step_time_table(times))
 
 
 if __name__ == "__main__":

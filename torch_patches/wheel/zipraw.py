@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, List, Optional, Tuple
 
-from .errors import TorchPatchesError
+from ..errors import TorchPatchesError
 
 _CD = struct.Struct("<4s4B4HL2L5H2L")  # central directory record (46 bytes)
 _LH = struct.Struct("<4s2B4HL2L2H")  # local file header (30 bytes)

@@ -13,22 +13,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Tuple
 
-from .errors import PatchApplyError, TorchPatchesError
-from .patching import Files, apply_patches, locate_hunks
-from .series import parse_patch
-from .state import retired_reason
+from ..errors import PatchApplyError, TorchPatchesError
+from ..files import Files
+from ..patching import apply_patches, locate_hunks
+from ..series import NESTED_PATCH_NAME, parse_patch, read_series_file
+from ..state import retired_reason
 
 CLEAN, OFFSETS, CONFLICTS, IN_TREE = "applies cleanly", "applies with offsets", "conflicts", "already in tree"
 
 
 def stack_order(export_dir: Path) -> List[Path]:
     """The exported patches in ``git am`` order (``export_dir/series``)."""
-    series_file = export_dir / "series"
-    if not series_file.is_file():
+    if not (export_dir / "series").is_file():
         raise TorchPatchesError(f"{export_dir} has no series file; run `torch-patches export` first")
-    names = [line.strip() for line in series_file.read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
-    return [export_dir / name for name in names]
+    return [export_dir / name for name in read_series_file(export_dir, NESTED_PATCH_NAME).names]
 
 
 def check_patch(files: Files, path: Path) -> Tuple[str, List[str], Files]:

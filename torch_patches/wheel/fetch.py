@@ -1,7 +1,7 @@
-"""Obtain the base ``torch==2.15.0`` wheel for an interpreter, with a cache.
+"""Obtain the base torch wheel (``torch==<base version>``) for an interpreter, with a cache.
 
 Downloads go through ``PY -m pip download --no-deps``. Machines that cap
-torch with a pip constraint file (``/etc/xdg/pip``) would refuse 2.15.0, so
+torch with a pip constraint file would refuse the pinned release, so
 pip runs with ``PIP_CONFIG_FILE=/dev/null`` and without ``PIP_CONSTRAINT``.
 """
 
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from . import base
-from .errors import TorchPatchesError
+from ..base import Base
+from ..errors import TorchPatchesError
 
 _TAGS = r"""
 import json
@@ -60,8 +60,8 @@ def wheel_tags(filename: str) -> set:
     return {f"{a}-{b}-{c}" for a in py.split(".") for b in abi.split(".") for c in plat.split(".")}
 
 
-def find_cached(python: str, directory: Path) -> Optional[Path]:
-    candidates = sorted(directory.glob(f"torch-{base.BASE_VERSION}-*.whl"))
+def find_cached(python: str, directory: Path, base: Base) -> Optional[Path]:
+    candidates = sorted(directory.glob(f"torch-{base.version}-*.whl"))
     if not candidates:
         return None
     tags = interpreter_tags(python)
@@ -74,27 +74,27 @@ def find_cached(python: str, directory: Path) -> Optional[Path]:
     return best[1] if best else None
 
 
-def obtain_base_wheel(python: Optional[str] = None,
+def obtain_base_wheel(python: Optional[str], base: Base,
                       progress: Optional[Callable[[str], None]] = None) -> Path:
     """The cached base wheel for ``python``, downloading it with pip if needed."""
     python = python or sys.executable
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cached = find_cached(python, directory)
+    cached = find_cached(python, directory, base)
     if cached:
         if progress:
             progress(f"base wheel (cached): {cached}")
         return cached
     if progress:
-        progress(f"downloading torch=={base.BASE_VERSION} for {python} with pip into {directory} ...")
+        progress(f"downloading torch=={base.version} for {python} with pip into {directory} ...")
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", tmp, f"torch=={base.BASE_VERSION}"]
+               "-d", tmp, f"torch=={base.version}"]
         proc = subprocess.run(cmd, env=pip_env(), stdout=sys.stderr)
         wheels = list(Path(tmp).glob("torch-*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             raise TorchPatchesError(
-                f"pip could not download torch=={base.BASE_VERSION} (exit {proc.returncode}); "
+                f"pip could not download torch=={base.version} (exit {proc.returncode}); "
                 "pass the wheel with --base WHEEL")
         final = directory / wheels[0].name
         shutil.move(str(wheels[0]), final)

@@ -4,8 +4,8 @@ Every patch names its upstream issue in its DEP-3 ``Bug:`` field; patches with
 the same issue form one PR. For each tracker ``N`` the export writes ``DIR/N/``:
 
 * ``NNNN-*.patch``: a ``git format-patch`` series with the tracker's source
-  patch(es) and one commit adding its tests at their upstream paths (see
-  :data:`TRACKERS`); the shared test helper becomes
+  patch(es) and one commit adding its tests at their upstream paths (the
+  ``[trackers]`` of the series' ``manifest.ini``); the shared test helper becomes
   ``torch/testing/_internal/common_fsdp_lifecycle.py`` and the tests import it
   from there instead of through ``sys.path``;
 * ``PR.md``: the PR description in upstream's form: title, ``Fixes #N``,
@@ -35,34 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import base
-from .errors import TorchPatchesError
-from .patching import Files
-from .series import Patch, Series
+from ..errors import TorchPatchesError
+from ..files import Files
+from ..series import NESTED_PATCH_NAME, Patch, Series, Tracker, read_series_file
+from . import gitstack
+from .gitstack import git
 
 ISSUE_URL = "https://github.com/pytorch/pytorch/issues/"
 _BUG_RE = re.compile(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)")
 
-
-@dataclass(frozen=True)
-class Tracker:
-    """An upstream issue: the PR title prefix and the tests that go with it."""
-
-    number: int
-    prefix: str  # PR title prefix, e.g. "[FSDP2]"
-    what: str  # what the PR adds, for the test commit's subject
-    tests: Tuple[str, ...] = ()  # repo paths; upstream uses the same paths
-
-
-#: The one table mapping upstream trackers to their tests (repo path == upstream path).
-TRACKERS: Dict[int, Tracker] = {t.number: t for t in (
-    Tracker(203177, "[FSDP2]", "value-based FSDPPolicy",
-            ("test/distributed/_composable/fsdp/test_fully_shard_policy.py",)),
-    Tracker(203176, "[FSDP2]", "partial_backward() and finish_forward()",
-            ("test/distributed/_composable/fsdp/test_fully_shard_lifecycle.py",)),
-    Tracker(203178, "[pipelining]", "FSDP stages: no-sync from step start, reset after metadata inference",
-            ("test/distributed/pipelining/test_pipelining_fsdp_lifecycle.py",)),
-)}
 
 #: The tests' shared helper: here, and where it lives upstream.
 HELPER = "test/distributed/fsdp_lifecycle_testing.py"
@@ -70,8 +51,6 @@ HELPER_MODULE = "fsdp_lifecycle_testing"
 HELPER_UPSTREAM = "torch/testing/_internal/common_fsdp_lifecycle.py"
 HELPER_UPSTREAM_MODULE = "torch.testing._internal.common_fsdp_lifecycle"
 
-_FORMAT_PATCH = ("format-patch", "-q", "--no-signature", "--zero-commit", "--full-index", "--no-renames",
-                 "--numbered")
 _EXPORT_HEADER = "# torch-patches export:"
 
 
@@ -91,6 +70,16 @@ class Group:
         return self.tracker.number
 
     @property
+    def key(self) -> str:
+        """The PR's directory and tag name: the issue number, or ``new-NNNN`` without a tracker."""
+        return str(self.number) if self.number else f"new-{self.patches[0].name[:4]}"
+
+    @property
+    def ref(self) -> str:
+        """How messages name the PR: ``#N``, or the patch without a tracker."""
+        return f"#{self.number}" if self.number else f"{self.patches[0].name} (no tracker yet)"
+
+    @property
     def title(self) -> str:
         subject = self.patches[0].subject
         return subject if subject.startswith("[") else f"{self.tracker.prefix} {subject}"
@@ -104,29 +93,36 @@ class ApiEntry:
 
 
 def base_prefixes(series: Series) -> Tuple[str, ...]:
-    """The base trees to export from: fsdp/pipelining plus any other directory the series touches."""
-    from .installed import BASE_PREFIXES
-    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths if not p.startswith(BASE_PREFIXES)}
-    return tuple(BASE_PREFIXES) + tuple(sorted(extra))
+    """The installed base trees to export from: the manifest's prefixes plus any other
+    packaged directory the series touches (``docs/`` comes from ``--source``)."""
+    prefixes = series.base.prefixes
+    extra = {p.rsplit("/", 1)[0] + "/" for p in series.paths
+             if not p.startswith(prefixes) and series.base.is_packaged(p)}
+    return tuple(prefixes) + tuple(sorted(extra))
 
 
 def tracker_number(patch: Patch) -> int:
-    """The pytorch/pytorch issue number of ``patch``'s DEP-3 ``Bug:`` field."""
-    m = _BUG_RE.search(patch.dep3.get("Bug", ""))
-    if not m:
-        raise TorchPatchesError(
-            f"{patch.name} has no pytorch/pytorch issue in its DEP-3 Bug: field "
-            f"({patch.dep3.get('Bug', 'missing')!r}); export groups patches by it")
-    return int(m.group(1))
+    """The pytorch/pytorch issue number of ``patch``'s DEP-3 ``Bug:`` field; ``0`` for
+    ``Bug: none yet`` (a new concern without an upstream issue)."""
+    bug = patch.dep3.get("Bug", "")
+    m = _BUG_RE.search(bug)
+    if m:
+        return int(m.group(1))
+    if bug.strip().lower().startswith("none"):
+        return 0
+    raise TorchPatchesError(
+        f"{patch.name} has no pytorch/pytorch issue in its DEP-3 Bug: field ({bug or 'missing'!r}); "
+        "export groups patches by it (write `Bug: none yet` for a concern without a tracker)")
 
 
 def group_series(series: Series) -> List[Group]:
-    """Patches grouped by tracker, in order of first appearance in the series."""
-    groups: Dict[int, Group] = {}
+    """Patches grouped by tracker, in order of first appearance in the series; each
+    patch without a tracker is a PR of its own."""
+    groups: Dict[object, Group] = {}
     for patch in series.patches:
         n = tracker_number(patch)
-        tracker = TRACKERS.get(n) or Tracker(n, "", f"#{n}")
-        groups.setdefault(n, Group(tracker)).patches.append(patch)
+        tracker = series.manifest.tracker(n, patch.name) or Tracker(n, "", f"#{n}" if n else patch.subject)
+        groups.setdefault(n or patch.name, Group(tracker)).patches.append(patch)
     return list(groups.values())
 
 
@@ -174,22 +170,22 @@ def upstream_test(text: str, where: str = "test") -> str:
     return out
 
 
-def collect_tests(groups: List[Group], repo: Path) -> List[str]:
+def collect_tests(groups: List[Group], repo: Path, series: Series) -> List[str]:
     """Fill ``group.tests``; the helper goes with the first group whose tests use it.
 
     Returns warnings (missing test files: the group is exported without them).
     """
     warnings, helper_done = [], False
     for group in groups:
-        if group.number not in TRACKERS:
-            warnings.append(f"#{group.number}: not in the TRACKERS table of torch_patches/export.py; "
+        if series.manifest.tracker(group.number, group.patches[0].name) is None:
+            warnings.append(f"{group.ref}: no line in [trackers] of {series.directory}/manifest.ini; "
                             "exported without tests")
             continue
         for rel in group.tracker.tests:
             path = repo / rel
             if not path.is_file():
                 group.missing_tests.append(rel)
-                warnings.append(f"#{group.number}: test file {rel} does not exist; "
+                warnings.append(f"{group.ref}: test file {rel} does not exist; "
                                 "its PR is exported WITHOUT tests (not ready for review)")
                 continue
             text = path.read_text(encoding="utf-8")
@@ -273,25 +269,6 @@ def public_api(before: Files, after: Files) -> List[ApiEntry]:
 
 
 # -- the git stack ----------------------------------------------------------------
-def _git(tree: Path, *args: str, env: Optional[dict] = None) -> str:
-    proc = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
-                          env=dict(os.environ, **(env or {})))
-    if proc.returncode != 0:
-        raise TorchPatchesError(f"git {' '.join(args[:2])} failed:\n{(proc.stderr or proc.stdout).strip()}")
-    return proc.stdout
-
-
-def _identity(name: str, email: str, date: str) -> dict:
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": date,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": date}
-
-
-def _mail_header(patch: Patch, key: str) -> str:
-    text = patch.data.decode("utf-8", "replace")
-    m = re.search(rf"^{key}: (.*)$", text.split("\n\n", 1)[0], re.MULTILINE)
-    return m.group(1).strip() if m else ""
-
-
 def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     out: Files = {}
     for path in paths:
@@ -300,54 +277,30 @@ def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     return out
 
 
-def build_stack(tree: Path, base_files: Files, groups: List[Group]) -> None:
+def build_stack(tree: Path, base_files: Files, groups: List[Group], series: Series) -> None:
     """Create the scratch repository ``tree``: ``base``, then per tracker its
-    patches (``git am``) and a test commit, tagged ``pr-N``."""
-    tree.mkdir(parents=True)
-    for rel, data in base_files.items():
-        if data is not None:
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tree / rel).write_bytes(data)
-    _git(tree, "init", "-q")
-    _git(tree, "config", "core.autocrlf", "false")
-    _git(tree, "add", "-A")
-    fixed = _identity("PyTorch", "packages@pytorch.org", "2000-01-01T00:00:00+0000")
-    _git(tree, "commit", "-q", "-m",
-         f"torch {base.BASE_VERSION} base ({base.BASE_GIT_VERSION[:12]})\n\n"
-         f"Pristine sources of the torch {base.BASE_VERSION} wheel. Upstream commit {base.BASE_GIT_VERSION}.",
-         env=fixed)
-    _git(tree, "tag", "base")
+    patches (``git am``) and a test commit, tagged ``pr-<key>``."""
+    gitstack.init_base(tree, base_files, series.base)
     for group in groups:
-        with tempfile.TemporaryDirectory() as tmp:
-            paths = []
-            for i, patch in enumerate(group.patches):
-                p = Path(tmp) / f"{i:04d}.patch"
-                p.write_bytes(patch.data)
-                paths.append(str(p))
-            am_env = _identity("torch-patches export", "export@localhost", "2000-01-01T00:00:00+0000")
-            try:
-                _git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date", *paths, env=am_env)
-            except TorchPatchesError as exc:
-                subprocess.run(["git", "-C", str(tree), "am", "--abort"], capture_output=True)
-                raise TorchPatchesError(
-                    f"#{group.number}'s patches ({', '.join(p.name for p in group.patches)}) do not apply on "
-                    f"the trackers before it; reorder the series so each tracker's patches are contiguous.\n{exc}")
+        gitstack.am(tree, [p.data for p in group.patches],
+                    f"{group.ref}'s patches ({', '.join(p.name for p in group.patches)}) on the trackers "
+                    "before it (reorder the series so each tracker's patches are contiguous)")
         if group.tests:
             for rel, data in group.tests.items():
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
                 (tree / rel).write_bytes(data)
-            _git(tree, "add", "--", *group.tests)
+            git(tree, "add", "--", *group.tests)
             last = group.patches[-1]
-            author = _mail_header(last, "From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
+            author = last.mail_header("From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
             name, _, email = author.rpartition(" <")
-            env = _identity(name or author, email.rstrip(">"), _mail_header(last, "Date") or "2000-01-01")
+            env = gitstack.identity(name or author, email.rstrip(">"), last.mail_header("Date") or "2000-01-01")
             helper = (f"\n\nThe shared gloo/CPU test case and collective counter go to\n{HELPER_UPSTREAM}."
                       if HELPER_UPSTREAM in group.tests else "")
-            _git(tree, "commit", "-q", "-m",
-                 f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
-                 f"Multi-process tests (gloo on CPU) for #{group.number}.{helper}\n\n"
-                 f"Bug: {ISSUE_URL}{group.number}", env=env)
-        _git(tree, "tag", f"pr-{group.number}")
+            git(tree, "commit", "-q", "-m",
+                f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
+                f"Multi-process tests (gloo on CPU) for {group.ref}.{helper}\n\n"
+                f"Bug: {f'{ISSUE_URL}{group.number}' if group.number else 'none yet'}", env=env)
+        git(tree, "tag", f"pr-{group.key}")
 
 
 # -- PR description ----------------------------------------------------------------
@@ -381,10 +334,10 @@ def load_results(path: Optional[os.PathLike]) -> Dict[str, dict]:
 def pr_description(group: Group, groups: List[Group], series: Series, results: Dict[str, dict]) -> str:
     index = groups.index(group)
     before = groups[:index]
-    lines = [f"# {group.title}", "", f"Fixes #{group.number}", ""]
+    lines = [f"# {group.title}", ""] + ([f"Fixes #{group.number}", ""] if group.number else [])
     if before:
-        lines += [f"Stacked on {', '.join(f'#{g.number}' for g in before)}: apply "
-                  + ", then ".join(f"`../{g.number}/*.patch`" for g in before)
+        lines += [f"Stacked on {', '.join(g.ref for g in before)}: apply "
+                  + ", then ".join(f"`../{g.key}/*.patch`" for g in before)
                   + " first (`../series` lists the whole stack in order; "
                   "`git am --keep-non-patch` keeps the subject prefix).", ""]
     lines += ["## Summary", ""]
@@ -392,9 +345,9 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
         if len(group.patches) > 1:
             lines += [f"### {patch.subject}", ""]
         lines += [_body(patch), ""]
-    lines += [f"Base: PyTorch {base.BASE_VERSION} (git `{base.BASE_GIT_VERSION[:12]}`, "
-              f"{base.BASE_GIT_VERSION}). Exported from the torch-fsdp-lifecycle patch series "
-              f"(revision {series.revision}, `{base.patched_version(series.revision)}`): "
+    lines += [f"Base: PyTorch {series.base.version} (git `{series.base.git_version[:12]}`, "
+              f"{series.base.git_version}). Exported from the torch-fsdp-lifecycle patch series "
+              f"(revision {series.revision}, `{series.version}`): "
               + ", ".join(f"`{p.name}`" for p in group.patches) + ".", ""]
     lines += ["### Public API added", ""]
     if not group.api:
@@ -418,7 +371,7 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
                   f"{rec.get('where', '')}".rstrip() + ". Output (tail):", "", "```",
                   str(rec.get("output", "")).rstrip(), "```", ""]
     lines += ["Lint: `ruff check` and `mypy` report no new warnings on the touched files compared with "
-              f"{base.BASE_VERSION} when `test/tools/test_lint.py` of torch-fsdp-lifecycle passes.", ""]
+              f"{series.base.version} when `test/tools/test_lint.py` of torch-fsdp-lifecycle passes.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -434,12 +387,12 @@ class ExportResult:
 def _prepare_out(out: Path) -> None:
     if out.exists() and any(out.iterdir()):
         series_file = out / "series"
-        first = series_file.read_text().splitlines()[0] if series_file.is_file() else ""
-        if not first.startswith(_EXPORT_HEADER):
+        header = read_series_file(out, NESTED_PATCH_NAME).header if series_file.is_file() else ()
+        if not header or not header[0].startswith(_EXPORT_HEADER):
             raise TorchPatchesError(f"{out} exists, is not empty and is not an earlier export; "
                                     "choose another -o DIR")
         for child in out.iterdir():
-            if child.is_dir() and child.name.isdigit():
+            if child.is_dir() and (child.name.isdigit() or child.name.startswith("new-")):
                 shutil.rmtree(child)
         series_file.unlink()
     out.mkdir(parents=True, exist_ok=True)
@@ -455,41 +408,42 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     if not series.patches:
         raise TorchPatchesError("the series is empty: nothing to export")
     groups = group_series(series)
-    warnings = collect_tests(groups, repo)
-    for number in TRACKERS:
-        if number not in {g.number for g in groups}:
-            warnings.append(f"#{number}: no patch in the series names it (not written yet, or retired); skipped")
+    warnings = collect_tests(groups, repo, series)
+    for t in series.manifest.trackers:
+        if t.number and t.number not in {g.number for g in groups}:
+            warnings.append(f"#{t.number}: no patch in the series names it (not written yet, or retired); skipped")
+        elif not t.number and not any(t.match.lower() in p.name.lower() for p in series.patches):
+            warnings.append(f"[trackers] {t.match}: no patch file name contains it; skipped")
     _prepare_out(out)
     order: List[str] = []
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
         tree = Path(tmp) / "pytorch"
-        build_stack(tree, base_files, groups)
+        build_stack(tree, base_files, groups, series)
         prev = "base"
         for group in groups:
-            tag = f"pr-{group.number}"
-            changed = [p for p in _git(tree, "diff", "--name-only", prev, tag).splitlines() if p]
-            all_py = [p for p in _git(tree, "ls-files").splitlines() if p.endswith(".py")]
+            tag = f"pr-{group.key}"
+            changed = [p for p in git(tree, "diff", "--name-only", prev, tag).splitlines() if p]
+            all_py = [p for p in git(tree, "ls-files").splitlines() if p.endswith(".py")]
             group.api = public_api(_read_tree(tree, prev, changed), {**_read_tree(tree, tag, changed),
                                    **_read_tree(tree, tag, [p for p in all_py if p.endswith("__init__.py")])})
             for entry in group.api:
                 if not entry.docstring:
-                    warnings.append(f"#{group.number}: {entry.name} has no docstring")
-            dest = out / str(group.number)
-            _git(tree, *_FORMAT_PATCH, "-o", str(dest), f"{prev}..{tag}")
-            group.files = sorted(p.name for p in dest.glob("*.patch"))
-            order += [f"{group.number}/{name}" for name in group.files]
+                    warnings.append(f"{group.ref}: {entry.name} has no docstring")
+            dest = out / group.key
+            group.files = [p.name for p in gitstack.format_patch(tree, f"{prev}..{tag}", dest)]
+            order += [f"{group.key}/{name}" for name in group.files]
             (dest / "PR.md").write_text(pr_description(group, groups, series, results or {}), encoding="utf-8")
-            progress(f"#{group.number}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
+            progress(f"{group.ref}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
             prev = tag
     (out / "series").write_text(
-        f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {base.BASE_VERSION} ({base.BASE_GIT_VERSION[:12]}),\n"
+        f"{_EXPORT_HEADER} pytorch/pytorch PR stack against {series.base.version} ({series.base.git_version[:12]}),\n"
         f"# series revision {series.revision}. Apply in this order with `git am --keep-non-patch`\n"
         f"# (keeps the [FSDP2]/[pipelining] subject prefix); one directory per PR.\n"
         + "".join(line + "\n" for line in order), encoding="utf-8")
     return ExportResult(out, groups, warnings, order)
 
 
-def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path,
+def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, base_version: str,
               progress: Callable[[str], None] = lambda _msg: None) -> Dict[str, dict]:
     """Run each exported tracker's tests from this checkout with ``python`` and record them.
 
@@ -507,7 +461,7 @@ def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path,
             tail = "\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-15:])
             results[rel] = {"command": f"{python} {rel}", "returncode": proc.returncode, "output": tail,
                             "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base.BASE_VERSION} "
+                            "where": f"in a torch-fsdp-lifecycle checkout, torch {base_version} "
                                      "with the series applied"}
             progress(f"  exit {proc.returncode}")
     results_file.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")

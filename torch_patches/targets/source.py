@@ -1,4 +1,4 @@
-"""A PyTorch source tree (a v2.15.0 checkout or release tarball) as a target.
+"""A PyTorch source tree (a checkout or release tarball of the pinned base) as a target.
 
 The base is recognised by ``version.txt`` and, in a git checkout, by ``HEAD``
 being the pinned commit. A tree without ``.git`` is recognised by
@@ -12,16 +12,19 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-from . import base, fsutil, marker as markers
-from .errors import TorchPatchesError
-from .patching import Files
-from .target import Target
+from ..base import Base
+from ..errors import TorchPatchesError
+from ..files import Files
+from ..marker import SOURCE_MARKER_NAME
+from . import Target
 
 
 class SourceTree(Target):
     """Files at their repo paths under ``root``."""
 
     kind = "source"
+    packaged_only = False  # a checkout has docs/ too
+    marker_rel = SOURCE_MARKER_NAME
 
     def __init__(self, root):
         self.root = Path(root).resolve()
@@ -44,40 +47,26 @@ class SourceTree(Target):
         lines.append(f"commit:  {self.head}" if self.head else "commit:  (not a git checkout)")
         return lines
 
-    def base_problem(self) -> Optional[str]:
+    @property
+    def base_version(self) -> str:
+        return self.version
+
+    def base_problem(self, base: Base) -> Optional[str]:
         if not self.version:
             return f"{self.root} has no version.txt; is it a PyTorch source tree?"
-        if self.version != base.BASE_VERSION:
-            return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.BASE_VERSION}; "
-                    f"check out v{base.BASE_VERSION}")
-        if self.head is not None and self.head != base.BASE_GIT_VERSION:
+        if self.version != base.version:
+            return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.version}; "
+                    f"check out v{base.version}")
+        if self.head is not None and self.head != base.git_version:
             return (f"{self.root} is at commit {self.head[:12]}, not the pinned base "
-                    f"{base.BASE_GIT_VERSION[:12]} (v{base.BASE_VERSION}); "
-                    f"run `git -C {self.root} checkout v{base.BASE_VERSION}`")
+                    f"{base.git_version[:12]} (v{base.version}); "
+                    f"run `git -C {self.root} checkout v{base.version}`")
         return None
 
     def is_unmodified(self, files: Files) -> bool:
         """In a git checkout: the files are committed at ``HEAD`` and unedited."""
-        if not self.head or self.head == "?" or self.read(markers.SOURCE_MARKER_NAME) is not None:
+        if not self.head or self.head == "?" or self.read(SOURCE_MARKER_NAME) is not None:
             return False
         proc = subprocess.run(["git", "-C", str(self.root), "status", "--porcelain", "--", *files],
                               capture_output=True, text=True, timeout=120)
         return proc.returncode == 0 and not proc.stdout.strip()
-
-    def load_marker(self) -> Optional[dict]:
-        data = self.read(markers.SOURCE_MARKER_NAME)
-        return None if data is None else markers.loads(data, str(self.root / markers.SOURCE_MARKER_NAME))
-
-    def commit(self, pristine: Files, new: Optional[Files], marker: Optional[dict]) -> None:
-        current = self.read_all(set(pristine) | set(new or {}))
-        target = new if new is not None else pristine
-        changes: Files = {p: d for p, d in target.items() if current.get(p) != d}
-        mtimes = None
-        if new is not None:
-            changes[markers.SOURCE_MARKER_NAME] = markers.dumps(marker)
-        else:
-            if self.read(markers.SOURCE_MARKER_NAME) is not None:
-                changes[markers.SOURCE_MARKER_NAME] = None
-            old = self.load_marker()
-            mtimes = markers.pristine_mtimes(old) if old else None
-        fsutil.write_files(self.root, changes, mtimes=mtimes)
