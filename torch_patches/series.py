@@ -185,6 +185,7 @@ class Patch:
     def mail_header(self, key: str) -> str:
         """A header of the mail part (``From``, ``Date``), ``''`` if absent."""
         head = self.data.decode("utf-8", "replace").split("\n\n", 1)[0]
+        head = re.sub(r"\n[ \t]+", " ", head)  # unfold (git folds a long From: before the <address>)
         m = re.search(rf"^{key}: (.*)$", head, re.MULTILINE)
         return m.group(1).strip() if m else ""
 

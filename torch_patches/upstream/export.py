@@ -64,6 +64,8 @@ class Group:
     missing_tests: List[str] = field(default_factory=list)
     api: List["ApiEntry"] = field(default_factory=list)
     files: List[str] = field(default_factory=list)  # written patch files (names)
+    #: Its test files are the same as an earlier PR of the stack committed: no test commit.
+    tests_in_earlier_pr: bool = False
 
     @property
     def number(self) -> int:
@@ -296,6 +298,9 @@ def build_stack(tree: Path, base_files: Files, groups: List[Group], series: Seri
             env = gitstack.identity(name or author, email.rstrip(">"), last.mail_header("Date") or "2000-01-01")
             helper = (f"\n\nThe shared gloo/CPU test case and collective counter go to\n{HELPER_UPSTREAM}."
                       if HELPER_UPSTREAM in group.tests else "")
+            staged = subprocess.run(["git", "-C", str(tree), "diff", "--cached", "--quiet"])
+            group.tests_in_earlier_pr = staged.returncode == 0
+        if group.tests and not group.tests_in_earlier_pr:
             git(tree, "commit", "-q", "-m",
                 f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
                 f"Multi-process tests (gloo on CPU) for {group.ref}.{helper}\n\n"
@@ -360,6 +365,8 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
         missing = group.missing_tests or ["(no tests mapped to this tracker)"]
         lines += ["**Tests missing:** " + ", ".join(f"`{m}`" for m in missing)
                   + " does not exist yet; this PR is not ready for review.", ""]
+    if group.tests_in_earlier_pr:
+        lines += ["The test files below come with an earlier PR of this stack (unchanged here).", ""]
     for rel in (r for r in group.tests if r.startswith("test/")):
         lines += ["```bash", test_command(rel), "```", ""]
         rec = results.get(rel)
@@ -419,6 +426,8 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
         tree = Path(tmp) / "pytorch"
         build_stack(tree, base_files, groups, series)
+        warnings += [f"{g.ref}: its test files are unchanged from an earlier PR of the stack "
+                     "(the same [trackers] test file); no test commit" for g in groups if g.tests_in_earlier_pr]
         prev = "base"
         for group in groups:
             tag = f"pr-{group.key}"
