@@ -15,7 +15,7 @@ setup(
     license="BSD-3-Clause",
     python_requires=">=3.10",
     packages=["torch_patches", "torch_patches.targets", "torch_patches.upstream", "torch_patches.wheel"],
-    package_data={"torch_patches": ["patches/*/*"]},
+    package_data={"torch_patches": ["patches/*/*", "patches/*/docs/*.md"]},
     include_package_data=True,
     install_requires=[],
     extras_require={"test": ["pytest", "expecttest"]},

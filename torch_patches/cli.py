@@ -98,7 +98,8 @@ def cmd_export(args) -> int:
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
                                progress=_progress)
-    base_files = pristine_base_files(series, args.python, args.source, ex.base_prefixes(series))
+    base_files = pristine_base_files(series, args.python, args.source, ex.base_prefixes(series),
+                                     ex.docs_source_files(series))
     result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)
     for warning in result.warnings:
         print(f"warning: {warning}")
@@ -182,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
     p.add_argument("--python", metavar="PY", help=f"interpreter whose {pinned} gives the pristine base files")
     p.add_argument("--source", metavar="DIR", help="source checkout of the base, for the files an installed "
-                   "torch does not hold (docs/) that the series changes")
+                   "torch does not hold (docs/) that the series changes; with it, each PR with docs entries "
+                   "gets a docs commit (without it, they go to the PR directory's DOCS.md)")
     p.add_argument("--repo", metavar="DIR", default=".",
                    help="torch-fsdp-lifecycle checkout holding test/ (default: the current directory)")
     p.add_argument("--results", metavar="FILE", help="recorded test results (JSON) for the Test Plan")

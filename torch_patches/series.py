@@ -3,8 +3,9 @@
 The directory is the manifest (``torch_patches/patches/<base version>/``)::
 
     series          one NNNN-slug.patch per line, in order ('#' starts a comment)
-    manifest.ini    [base] pin and paths, [series] revision, [trackers] -> tests
+    manifest.ini    [base] pin and paths, [docs] file, [series] revision, [trackers] -> tests
     NNNN-*.patch    git format-patch output with DEP-3 fields
+    docs/KEY.md     a tracker's docs entries (read by ``export`` only: :func:`read_docs_entries`)
 
 A patch is ``git format-patch`` output: mail headers (``From:``, ``Date:``,
 ``Subject: [PATCH] [FSDP2] ...``), a commit message carrying the DEP-3
@@ -55,6 +56,11 @@ class Tracker:
     #: For ``number == 0``: a fragment of the patch's file name that picks it (``zero-bubble``).
     match: str = ""
 
+    @property
+    def key(self) -> str:
+        """The ``[trackers]`` key: the issue number, else the file-name fragment."""
+        return str(self.number) if self.number else self.match
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -63,6 +69,8 @@ class Manifest:
     base: Base
     revision: int
     trackers: Tuple[Tracker, ...] = ()
+    #: ``[docs] file``: the upstream docs source file the docs entries go into.
+    docs_file: str = ""
 
     def tracker(self, number: int, patch_name: str = "") -> Optional[Tracker]:
         """The line for issue ``number``; for a patch without one (``number == 0``), the
@@ -87,6 +95,7 @@ def read_manifest(directory: os.PathLike) -> Manifest:
                     packaged=tuple(section.get("packaged", "torch/").split()),
                     local_label=parser.get("series", "local_label", fallback="fsdp").strip())
         revision = parser.getint("series", "revision")
+        docs_file = parser.get("docs", "file", fallback="").strip()
         trackers = []
         for key, value in (parser["trackers"].items() if parser.has_section("trackers") else []):
             prefix, what, tests = (part.strip() for part in (value.split("|") + ["", ""])[:3])
@@ -97,7 +106,7 @@ def read_manifest(directory: os.PathLike) -> Manifest:
                                 f"{SERIES_NAME}, {MANIFEST_NAME} and the patches")
     except (configparser.Error, KeyError, ValueError) as exc:
         raise TorchPatchesError(f"{path}: {exc}")
-    return Manifest(base=base, revision=revision, trackers=tuple(trackers))
+    return Manifest(base=base, revision=revision, trackers=tuple(trackers), docs_file=docs_file)
 
 
 def shipped_series_dirs(root: Path = PATCHES_ROOT) -> List[Path]:
@@ -116,6 +125,66 @@ def default_series_dir(base_version: Optional[str] = None, root: Path = PATCHES_
             if read_manifest(d).base.version == base_version:
                 return d
     return dirs[-1]
+
+
+# -- docs entries ----------------------------------------------------------------
+DOCS_DIR = "docs"
+_ANCHOR_RE = re.compile(r"^(after|before): (.*\S)\s*$")
+
+
+@dataclass(frozen=True)
+class DocsEntry:
+    """A snippet for the ``[docs] file``, and where it goes."""
+
+    where: str  # "after" or "before"
+    anchor: str  # a line of the docs file (compared without surrounding whitespace)
+    snippet: str  # the text to insert, ending with one newline
+    source: str = ""  # the entry file, for messages
+
+
+def parse_docs_entries(text: str, where: str = "") -> Tuple[DocsEntry, ...]:
+    """Parse a docs entry file.
+
+    The file is one or more entries. An entry starts with a line
+    ``after: LINE`` or ``before: LINE`` at column 0, where ``LINE`` is a line
+    of the docs file (e.g. ``.. autoclass:: FSDPModule``); the lines up to the
+    next such line are its snippet (surrounding blank lines dropped). The
+    snippet goes after (before) the block holding ``LINE``: the fenced block
+    (```` ``` ````) around it, else its paragraph. The first non-blank line
+    must be an anchor line; a snippet line cannot start with ``after: `` or
+    ``before: ``.
+    """
+    entries: List[Tuple[str, str, int, List[str]]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        m = _ANCHOR_RE.match(line)
+        if m:
+            entries.append((m.group(1), m.group(2).strip(), lineno, []))
+        elif entries:
+            entries[-1][3].append(line)
+        elif line.strip():
+            raise TorchPatchesError(f"{where}:{lineno}: expected `after: LINE` or `before: LINE` "
+                                    f"(the line of the docs file the snippet goes after/before), got {line!r}")
+    if not entries:
+        raise TorchPatchesError(f"{where}: no `after: LINE` / `before: LINE` entry")
+    out = []
+    for kind, anchor, lineno, lines in entries:
+        snippet = "\n".join(lines).strip("\n")
+        if not snippet.strip():
+            raise TorchPatchesError(f"{where}:{lineno}: `{kind}: {anchor}` has no snippet")
+        out.append(DocsEntry(kind, anchor, snippet + "\n", where))
+    return tuple(out)
+
+
+def read_docs_entries(directory: os.PathLike) -> Dict[str, Tuple[DocsEntry, ...]]:
+    """``{tracker key: entries}`` from ``directory/docs/<key>.md`` (``{}`` without ``docs/``).
+
+    Only ``export`` reads them: an installed torch and a wheel have no docs.
+    """
+    docs = Path(directory) / DOCS_DIR
+    if not docs.is_dir():
+        return {}
+    return {path.stem: parse_docs_entries(path.read_text(encoding="utf-8"), str(path))
+            for path in sorted(docs.glob("*.md"))}
 
 
 # -- the series file --------------------------------------------------------------
@@ -185,6 +254,7 @@ class Patch:
     def mail_header(self, key: str) -> str:
         """A header of the mail part (``From``, ``Date``), ``''`` if absent."""
         head = self.data.decode("utf-8", "replace").split("\n\n", 1)[0]
+        head = re.sub(r"\n[ \t]+", " ", head)  # unfold (git folds a long From: before the <address>)
         m = re.search(rf"^{key}: (.*)$", head, re.MULTILINE)
         return m.group(1).strip() if m else ""
 

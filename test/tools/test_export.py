@@ -317,3 +317,25 @@ def test_tests_of_a_patch_without_tracker_map_by_name(pristine_site, stack, tmp_
         n for n in group.files if "tests" in n)).read_text()
     assert any("no-such-patch: no patch file name contains it" in w for w in result.warnings)
     assert not any("new-0002" in w or "0002-partial.patch (no tracker yet): no line" in w for w in result.warnings)
+
+
+def test_tracker_sharing_an_earlier_prs_test_file_gets_no_empty_commit(pristine_site, stack, tmp_path):
+    # The shipped manifest maps has_pending_gradients and reset_iter_state to one test file.
+    series, repo = stack
+    manifest = series.directory / "manifest.ini"
+    text = manifest.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("203176 = "))
+    manifest.write_text(text.replace(line, f"203176 = [FSDP2] | partial things | {POLICY_TEST}"))
+    out = tmp_path / "upstream"
+    result = ex.export(load(series.directory), _base_files(pristine_site), out, repo)
+    assert [g.tests_in_earlier_pr for g in result.groups] == [False, True]
+    assert any("#203176: its test files are unchanged from an earlier PR" in w for w in result.warnings)
+    assert [p.name for p in sorted((out / "203176").glob("*.patch"))] == ["0001-FSDP2-Add-partial.patch"]
+    assert "come with an earlier PR of this stack" in (out / "203176" / "PR.md").read_text()
+
+
+def test_folded_from_header_is_unfolded():
+    data = ("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+            "From: A Long Maintainers Name\n <maint@example.com>\nDate: Tue, 1 Dec 2026 03:25:25 +0000\n"
+            "Subject: [PATCH] [FSDP2] X\n\nX.\n\n---\n" + unified("m.py", b"a\n", b"b\n")).encode()
+    assert parse_patch("0001-x.patch", data).mail_header("From") == "A Long Maintainers Name <maint@example.com>"

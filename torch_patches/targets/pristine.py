@@ -5,6 +5,8 @@ pinned torch installed for an interpreter (verified against its RECORD).
 Files the series touches that an installed torch does not hold (``docs/``;
 outside ``[base] packaged``) come from a source checkout of the base
 (``--source DIR``), verified against the pre-image blob ids the patches name.
+``export`` also reads the ``[docs] file`` from there (its docs entries go into
+it; no patch names its pre-image, so the check is the tree's version and commit).
 """
 
 from __future__ import annotations
@@ -21,11 +23,24 @@ from .source import SourceTree
 
 
 def pristine_base_files(series: Series, python: Optional[str], source: Optional[str] = None,
-                        prefixes: Optional[Iterable[str]] = None) -> Files:
+                        prefixes: Optional[Iterable[str]] = None, source_files: Iterable[str] = ()) -> Files:
     """``{repo path: bytes}`` of the base: installed ``.py`` files under ``prefixes``
-    (default: the manifest's) plus the source-only files the series touches."""
+    (default: the manifest's) plus the source-only files the series touches, plus
+    ``source_files`` read from ``source`` as they are (ignored without ``source``)."""
     files = _installed_files(python, series.base, tuple(prefixes or series.base.prefixes))
     files.update(_source_only_files(series, source))
+    wanted = [p for p in source_files if p not in files]
+    if source is not None and wanted:
+        tree = SourceTree(source)
+        problem = tree.base_problem(series.base)
+        if problem:
+            raise TorchPatchesError(problem)
+        found = tree.read_all(wanted)
+        missing = [p for p, d in found.items() if d is None]
+        if missing:
+            raise TorchPatchesError(f"{', '.join(missing)}: missing in {tree.root} (the --source checkout); "
+                                    "the series' docs entries go into it")
+        files.update(found)
     return files
 
 

@@ -11,7 +11,12 @@ the same issue form one PR. For each tracker ``N`` the export writes ``DIR/N/``:
 * ``PR.md``: the PR description in upstream's form: title, ``Fixes #N``,
   ``## Summary`` (commit messages, base, stack order, new public API with its
   docstrings) and ``## Test Plan`` (the commands, and their output only when
-  it was recorded: see :func:`load_results`).
+  it was recorded: see :func:`load_results`);
+* docs: a tracker with entries in the series' ``docs/<key>.md`` (see
+  :mod:`torch_patches.upstream.docs`) gets one more commit that inserts them
+  into the ``[docs] file`` (``docs/source/distributed.fsdp.fully_shard.md``)
+  when the base content of that file is available (``--source DIR``);
+  otherwise they are written to ``DIR/N/DOCS.md`` and ``PR.md`` says so.
 
 The PRs form a stack in series order (ghstack-style): ``DIR/series`` lists
 every patch in ``git am`` order, and each PR applies on top of the ones before
@@ -19,7 +24,8 @@ it (``#203176`` and ``#203178`` build on ``#203177``).
 
 The stack is built with real git in a scratch repository: the pristine base
 files (the same ones ``tools/devtree.py init`` uses), ``git am`` of the series,
-one test commit per tracker, then ``git format-patch`` per tracker.
+one test commit (and one docs commit) per tracker, then ``git format-patch``
+per tracker.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import TorchPatchesError
 from ..files import Files
-from ..series import NESTED_PATCH_NAME, Patch, Series, Tracker, read_series_file
+from ..series import NESTED_PATCH_NAME, DocsEntry, Patch, Series, Tracker, read_docs_entries, read_series_file
+from . import docs as docs_mod
 from . import gitstack
 from .gitstack import git
 
@@ -52,6 +59,8 @@ HELPER_UPSTREAM = "torch/testing/_internal/common_fsdp_lifecycle.py"
 HELPER_UPSTREAM_MODULE = "torch.testing._internal.common_fsdp_lifecycle"
 
 _EXPORT_HEADER = "# torch-patches export:"
+#: A PR directory's docs entries when they are not committed (no ``--source``).
+DOCS_NAME = "DOCS.md"
 
 
 @dataclass
@@ -64,6 +73,10 @@ class Group:
     missing_tests: List[str] = field(default_factory=list)
     api: List["ApiEntry"] = field(default_factory=list)
     files: List[str] = field(default_factory=list)  # written patch files (names)
+    docs: Tuple[DocsEntry, ...] = ()  # entries of docs/<tracker key>.md
+    docs_committed: bool = False  # in the PR's docs commit (else in DOCS.md)
+    #: Its test files are the same as an earlier PR of the stack committed: no test commit.
+    tests_in_earlier_pr: bool = False
 
     @property
     def number(self) -> int:
@@ -200,6 +213,31 @@ def collect_tests(groups: List[Group], repo: Path, series: Series) -> List[str]:
     return warnings
 
 
+def docs_source_files(series: Series) -> List[str]:
+    """The ``[docs] file`` if the series has docs entries: read from ``--source`` for the docs commits."""
+    docs_file = series.manifest.docs_file
+    return [docs_file] if docs_file and read_docs_entries(series.directory) else []
+
+
+def collect_docs(groups: List[Group], series: Series) -> List[str]:
+    """Fill ``group.docs`` from the series' ``docs/<tracker key>.md``; returns warnings."""
+    entries = read_docs_entries(series.directory)
+    if entries and not series.manifest.docs_file:
+        raise TorchPatchesError(f"{series.directory}/docs/ holds docs entries but manifest.ini has no "
+                                "[docs] file (the upstream docs source file they go into)")
+    keys = {}
+    for group in groups:
+        if series.manifest.tracker(group.number, group.patches[0].name) is not None:
+            keys[group.tracker.key] = group
+    warnings = []
+    for key, found in entries.items():
+        if key in keys:
+            keys[key].docs = found
+        else:
+            warnings.append(f"docs/{key}.md: no tracker key {key!r} with a patch in the series; not exported")
+    return warnings
+
+
 # -- public API -----------------------------------------------------------------
 def _exports(files: Files) -> Dict[str, str]:
     """``{name: public module}`` from the ``__all__`` of every ``__init__.py`` in ``files``."""
@@ -277,10 +315,36 @@ def _read_tree(tree: Path, rev: str, paths: List[str]) -> Files:
     return out
 
 
+def _author(group: Group) -> Dict[str, str]:
+    """The identity of the export's commits in ``group``'s PR: its last patch's author and date."""
+    last = group.patches[-1]
+    author = last.mail_header("From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
+    name, _, email = author.rpartition(" <")
+    return gitstack.identity(name or author, email.rstrip(">"), last.mail_header("Date") or "2000-01-01")
+
+
+def _commit_docs(tree: Path, group: Group, docs_file: str) -> None:
+    """Insert ``group.docs`` into ``docs_file`` of ``tree`` and commit them."""
+    path = tree / docs_file
+    text = docs_mod.insert_all(path.read_text(encoding="utf-8"), group.docs, docs_file,
+                               f" (the --source base with the patches of {group.ref} and the PRs before it)")
+    path.write_text(text, encoding="utf-8")
+    git(tree, "add", "--", docs_file)
+    where = "".join(f"\n- {docs_mod.describe(e)}" for e in group.docs)
+    git(tree, "commit", "-q", "-m",
+        f"{group.tracker.prefix} Add docs for {group.tracker.what}\n\n"
+        f"Entries for {group.ref} in\n{docs_file}:{where}\n\n"
+        f"Bug: {f'{ISSUE_URL}{group.number}' if group.number else 'none yet'}", env=_author(group))
+    group.docs_committed = True
+
+
 def build_stack(tree: Path, base_files: Files, groups: List[Group], series: Series) -> None:
     """Create the scratch repository ``tree``: ``base``, then per tracker its
-    patches (``git am``) and a test commit, tagged ``pr-<key>``."""
+    patches (``git am``), a test commit and, when ``base_files`` holds the
+    ``[docs] file``, a docs commit; tagged ``pr-<key>``."""
     gitstack.init_base(tree, base_files, series.base)
+    docs_file = series.manifest.docs_file
+    with_docs = bool(docs_file) and base_files.get(docs_file) is not None
     for group in groups:
         gitstack.am(tree, [p.data for p in group.patches],
                     f"{group.ref}'s patches ({', '.join(p.name for p in group.patches)}) on the trackers "
@@ -290,16 +354,18 @@ def build_stack(tree: Path, base_files: Files, groups: List[Group], series: Seri
                 (tree / rel).parent.mkdir(parents=True, exist_ok=True)
                 (tree / rel).write_bytes(data)
             git(tree, "add", "--", *group.tests)
-            last = group.patches[-1]
-            author = last.mail_header("From") or "torch-fsdp-lifecycle <torch-fsdp-lifecycle@localhost>"
-            name, _, email = author.rpartition(" <")
-            env = gitstack.identity(name or author, email.rstrip(">"), last.mail_header("Date") or "2000-01-01")
+            env = _author(group)
             helper = (f"\n\nThe shared gloo/CPU test case and collective counter go to\n{HELPER_UPSTREAM}."
                       if HELPER_UPSTREAM in group.tests else "")
+            staged = subprocess.run(["git", "-C", str(tree), "diff", "--cached", "--quiet"])
+            group.tests_in_earlier_pr = staged.returncode == 0
+        if group.tests and not group.tests_in_earlier_pr:
             git(tree, "commit", "-q", "-m",
                 f"{group.tracker.prefix} Add tests for {group.tracker.what}\n\n"
                 f"Multi-process tests (gloo on CPU) for {group.ref}.{helper}\n\n"
                 f"Bug: {f'{ISSUE_URL}{group.number}' if group.number else 'none yet'}", env=env)
+        if group.docs and with_docs:
+            _commit_docs(tree, group, docs_file)
         git(tree, "tag", f"pr-{group.key}")
 
 
@@ -355,11 +421,23 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
     for entry in group.api:
         lines += [f"#### `{entry.name}`", "", "```python", entry.signature, "```", ""]
         lines += [entry.docstring or "**(no docstring)**", ""]
+    if group.docs:
+        docs_file = series.manifest.docs_file
+        lines += ["### Docs", ""]
+        where = "; ".join(docs_mod.describe(e) for e in group.docs)
+        if group.docs_committed:
+            lines += [f"The last commit adds entries to `{docs_file}` ({where}).", ""]
+        else:
+            lines += [f"**Docs not committed:** exported without `--source DIR` (a v{series.base.version} "
+                      f"checkout holding `{docs_file}`). `{DOCS_NAME}` in this directory holds the entries "
+                      f"for `{docs_file}` ({where}); add them to the PR before review.", ""]
     lines += ["## Test Plan", ""]
     if group.missing_tests or not group.tests:
         missing = group.missing_tests or ["(no tests mapped to this tracker)"]
         lines += ["**Tests missing:** " + ", ".join(f"`{m}`" for m in missing)
                   + " does not exist yet; this PR is not ready for review.", ""]
+    if group.tests_in_earlier_pr:
+        lines += ["The test files below come with an earlier PR of this stack (unchanged here).", ""]
     for rel in (r for r in group.tests if r.startswith("test/")):
         lines += ["```bash", test_command(rel), "```", ""]
         rec = results.get(rel)
@@ -409,6 +487,7 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
         raise TorchPatchesError("the series is empty: nothing to export")
     groups = group_series(series)
     warnings = collect_tests(groups, repo, series)
+    warnings += collect_docs(groups, series)
     for t in series.manifest.trackers:
         if t.number and t.number not in {g.number for g in groups}:
             warnings.append(f"#{t.number}: no patch in the series names it (not written yet, or retired); skipped")
@@ -419,6 +498,8 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
     with tempfile.TemporaryDirectory(prefix="torch-patches-export-") as tmp:
         tree = Path(tmp) / "pytorch"
         build_stack(tree, base_files, groups, series)
+        warnings += [f"{g.ref}: its test files are unchanged from an earlier PR of the stack "
+                     "(the same [trackers] test file); no test commit" for g in groups if g.tests_in_earlier_pr]
         prev = "base"
         for group in groups:
             tag = f"pr-{group.key}"
@@ -432,6 +513,12 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
             dest = out / group.key
             group.files = [p.name for p in gitstack.format_patch(tree, f"{prev}..{tag}", dest)]
             order += [f"{group.key}/{name}" for name in group.files]
+            if group.docs and not group.docs_committed:
+                why = (f"Not committed: the export had no `--source DIR` (a v{series.base.version} checkout) "
+                       f"for the base content of `{series.manifest.docs_file}`. Insert each snippet "
+                       "there, separated by blank lines.")
+                (dest / DOCS_NAME).write_text(
+                    docs_mod.docs_markdown(group.ref, group.docs, series.manifest.docs_file, why), encoding="utf-8")
             (dest / "PR.md").write_text(pr_description(group, groups, series, results or {}), encoding="utf-8")
             progress(f"{group.ref}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
             prev = tag
