@@ -69,8 +69,8 @@ VOCAB_SIZE, DIM, HIDDEN_DIM, SEQ_LEN, BATCH_SIZE = 32, 16, 32, 12, 2
 NUM_LAYERS, NUM_MICROBATCHES, NUM_CHUNKS, NUM_STEPS = 2, 2, 3, 3
 LR = 0.1
 ATOL, RTOL = 1e-5, 1e-5
-# Opt-in record of what each scenario measured (tools/bench/compositions.py):
-# a file path to which rank 0 appends one JSON line per test or subtest
+# Opt-in record of what each scenario measured, e.g. for a results table: a
+# file path to which rank 0 appends one JSON line per test or subtest
 RESULTS_ENV = "FSDP_LIFECYCLE_RESULTS"
 
 
