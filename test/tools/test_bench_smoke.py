@@ -95,6 +95,17 @@ def test_wheel_build_tiny(tmp_path, results_dir):
     _meta_ok(results_dir / "wheel_build.json", "wheel_build")
 
 
+def test_compositions_tiny(results_dir):
+    # One composition test without subtests; the full run is every test
+    out = run(str(BENCH / "compositions.py"), "--python", sys.executable,
+              "-k", "test_reentrant_checkpointing_prefetch_parity", "--json", str(results_dir / "compositions.json"))
+    assert "| test_reentrant_checkpointing_prefetch_parity | 2 " in out, out
+    data = _meta_ok(results_dir / "compositions.json", "compositions")
+    assert data["params"]["pytest"] == {"passed": 1, "deselected": 10}
+    [row] = data["results"]
+    assert row["reduce_scatters_per_group_per_step"] == [1] and row["max_abs_grad_error"] < 1e-5
+
+
 def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
     """Run after the scripts above: two renders of the same files are byte-identical,
     and the README block is replaced in place (nothing outside it changes)."""
@@ -109,6 +120,7 @@ def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
     assert text.startswith("# x\n\n## Benchmarks\n\nintro\n\n") and text.endswith(f"{render.END}\n\n## Layout\n")
     assert "old" not in text and "Not measured yet: no `parity.json`" in text
     assert "**5. Scale, on paper**" in text and "| Llama-3 70B | 1024 |" in text
+    assert "**6. Compositions**" in text and "| test_reentrant_checkpointing_prefetch_parity | 2 " in text
     run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--check")
 
 

@@ -147,6 +147,53 @@ def wheel_table(rows: dict) -> str:
     return table(["method", "runs", "median s (wall)", "min s", "max s", "median s (own clock)", "/ cp"], out)
 
 
+# -- 6. compositions ----------------------------------------------------------------------------------------
+def _config_value(v) -> str:
+    if isinstance(v, list):
+        return "(" + ", ".join(_config_value(x) for x in v) + ")"
+    return str(v)
+
+
+def _config(config: dict) -> str:
+    return ", ".join(f"{k}={_config_value(v)}" for k, v in config.items()) or "-"
+
+
+def _scenarios(rows: list[dict]) -> dict[tuple[int, str], list[dict]]:
+    """The composition lines per ``(world size, test)``, in that order; each test's in file order."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["world_size"], r["scenario"]), []).append(r)
+    return dict(sorted(by.items()))
+
+
+def _pytest_counts(counts: dict[str, int]) -> str:
+    order = ("passed", "failed", "error", "errors", "skipped", "deselected")
+    return ", ".join(f"{counts[k]} {k}" for k in sorted(counts, key=lambda k: (order.index(k) if k in order else 9, k)))
+
+
+def compositions_table(rows: list[dict]) -> str:
+    """One row per composition test: the worst of its configurations (subtests)."""
+    out = []
+    for (world, name), runs in _scenarios(rows).items():
+        rs = sorted({n for r in runs for n in r["reduce_scatters_per_group_per_step"]})
+        bf16 = [r for r in runs if "bf16_error_ratio" in r]
+        out.append([name, world, len(runs), ", ".join(map(str, rs)),
+                    f"{max(r['max_abs_grad_error'] for r in runs):.2e}",
+                    f"{max(r['bf16_chunked_rel_error'] for r in bf16):.2e} / "
+                    f"{max(r['bf16_non_chunked_rel_error'] for r in bf16):.2e} "
+                    f"(worst step {max(r['bf16_error_ratio'] for r in bf16):.3f}x)" if bf16 else ""])
+    return table(["scenario", "world", "configs", "RS per group per step", "max abs grad error vs reference",
+                  "bf16 rel. error chunked / non-chunked"], out)
+
+
+def compositions_bf16_table(rows: list[dict]) -> str:
+    """One row per bf16 configuration."""
+    out = [[name, world, _config(r["config"]), f"{r['bf16_chunked_rel_error']:.2e}",
+            f"{r['bf16_non_chunked_rel_error']:.2e}", f"{r['bf16_error_ratio']:.3f}"]
+           for (world, name), runs in _scenarios(rows).items() for r in runs if "bf16_error_ratio" in r]
+    return table(["scenario", "world", "config", "chunked", "non-chunked", "worst step chunked / non-chunked"], out)
+
+
 # -- scale on paper ---------------------------------------------------------------------------------------------
 #: Llama-3 shapes (hidden, layers, FFN hidden, KV heads x head dim); vocab 128 256; untied output.
 MODELS = {"Llama-3 8B": (4096, 32, 14336, 1024), "Llama-3 70B": (8192, 80, 28672, 1024)}
@@ -368,6 +415,23 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
         parts.append(f"![bytes per step at scale]({rel}/scale.png)")
     else:
         parts.append(_missing("collectives-*.json"))
+    parts += _section(res, "compositions.json",
+                      "**6. Compositions** (`tools/bench/compositions.py`: the composition tests, "
+                      "`test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py`, run by "
+                      "pytest with `FSDP_LIFECYCLE_RESULTS` set, so that rank 0 of each test records what its "
+                      "assertions checked). Per test, the worst of its configurations (subtests) over every "
+                      "optimizer step: reduce-scatters per FSDP group with trainable parameters per step "
+                      "(gradients reduced on the last microbatch only), the max abs difference of the full "
+                      "gradients from the single-process reference's, and, with bf16 parameters and fp32 "
+                      "reduction, the relative gradient error (per parameter `||g - g_ref|| / ||g_ref||` against "
+                      "the fp32 reference, the worst parameter) of the chunked loss and of a non-chunked run of "
+                      "the same bf16 model (the max abs error of those rows is the bf16 model's, against the fp32 "
+                      "reference); every step also asserts that each module's policy is the caller's again.",
+                      lambda p: f"Command: `{p['command']}` (pytest: {_pytest_counts(p['pytest'])}).",
+                      lambda d: [compositions_table(d["results"]),
+                                 "bf16 mixed precision, per configuration (`config` = (head layout, head "
+                                 "`output_dtype`, frozen decoder)):",
+                                 compositions_bf16_table(d["results"])])
     return "\n\n".join(parts) + "\n"
 
 

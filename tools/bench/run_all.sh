@@ -4,7 +4,8 @@
 # 1. makes two virtual environments with the project's own tooling:
 #      $BENCH_VENVS/pristine  the pinned torch as released
 #      $BENCH_VENVS/patched   the same, then `python -m torch_patches apply --python .../bin/python`
-#    each with torchtitan==0.3.0 (+ tyro, spmd_types==0.2.3), matplotlib and wheel;
+#    each with torchtitan==0.3.0 (+ tyro, spmd_types==0.2.3), matplotlib, wheel and
+#    (for the composition tests' numbers) pytest, expecttest, numpy;
 #    existing venvs are reused (pristine is reverted if something patched it);
 # 2. runs every script in tools/bench, each writing its JSON result file (commit,
 #    torch and tool versions, machine load) into $BENCH_OUT;
@@ -41,7 +42,7 @@ export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PIP_CONSTRAINT || true
 # The pinned release, from the shipped series' manifest.ini (the CLI is stdlib-only)
 BASE_VERSION="$(PYTHONPATH="$REPO" "$PYTHON" -m torch_patches manifest --get base_version)"
-BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel)
+BENCH_REQS=(torchtitan==0.3.0 tyro spmd_types==0.2.3 matplotlib wheel pytest expecttest numpy)
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -62,7 +63,7 @@ make_venv() {  # make_venv DIR
       "$v/bin/python" -m pip install -q "torch==$BASE_VERSION"
     fi
   fi
-  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel' 2>/dev/null; then
+  if ! "$v/bin/python" -c 'import torchtitan.components.loss, matplotlib, wheel, pytest, expecttest' 2>/dev/null; then
     step "installing ${BENCH_REQS[*]} into $v"
     "$v/bin/python" -m pip install -q "${BENCH_REQS[@]}"
   fi
@@ -95,9 +96,10 @@ if [[ -n "${BENCH_QUICK:-}" ]]; then
   STEP=(--vocab 256 --dim 16 --layers 1 --seq 32 --warmup 1 --steps 2)
   MEM=(--vocab-sweep 1024x64,2048x64 --seq-sweep 1024x32,1024x64)
   WHEEL=(--repeat 1 --methods cp,torch-patches)
+  COMP=(-k test_reentrant_checkpointing_prefetch_parity)
   RENDER=(--out "$BENCH_OUT/benchmarks.md")
 else
-  COLL=() PP=() STEP=() MEM=() WHEEL=() RENDER=()
+  COLL=() PP=() STEP=() MEM=() WHEEL=() COMP=() RENDER=()
 fi
 export PYTHONWARNINGS=ignore
 filter() { grep -v -E '^(USDT|ERROR):|DeviceProperties.cpp|CPUAllocator.cpp' || true; }
@@ -122,6 +124,8 @@ step "3. peak memory, chunked vs full logits"
 "$PATCHED" tools/bench/memory.py "${MEM[@]}" --json "$B/memory.json" 2>&1 | filter
 step "4. patched-wheel build time"
 "$PATCHED" tools/bench/wheel_build.py "${WHEEL[@]}" --wheel-python "$PATCHED" --json "$B/wheel_build.json" 2>&1 | filter
-step "5. tables and plots from $B"
+step "6. the composition tests' numbers (patched torch; pytest on the test file)"
+"$PATCHED" tools/bench/compositions.py "${COMP[@]}" --python "$PATCHED" --json "$B/compositions.json" 2>&1 | filter
+step "7. tables and plots from $B"
 "$PATCHED" tools/bench/render.py --results "$B" "${RENDER[@]}"
 step "done in $((SECONDS - T0)) s (benchmarks only)"

@@ -22,6 +22,7 @@ and backward prefetches.
 import collections
 import contextlib
 import copy
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -68,6 +69,9 @@ VOCAB_SIZE, DIM, HIDDEN_DIM, SEQ_LEN, BATCH_SIZE = 32, 16, 32, 12, 2
 NUM_LAYERS, NUM_MICROBATCHES, NUM_CHUNKS, NUM_STEPS = 2, 2, 3, 3
 LR = 0.1
 ATOL, RTOL = 1e-5, 1e-5
+# Opt-in record of what each scenario measured, e.g. for a results table: a
+# file path to which rank 0 appends one JSON line per test or subtest
+RESULTS_ENV = "FSDP_LIFECYCLE_RESULTS"
 
 
 class FeedForward(nn.Module):
@@ -434,6 +438,77 @@ class _CompositionTestMixin:
     def _mesh(self) -> DeviceMesh:
         return init_device_mesh("cpu", (self.world_size,))
 
+    def run_subtests(self, subtest_config, test_fn, *args, **kwargs):
+        # Keeps each subtest's configuration for :meth:`_record`
+        def run(*fn_args, **subtest_kwargs):
+            self._subtest_kwargs = subtest_kwargs
+            return test_fn(*fn_args, **subtest_kwargs)
+
+        return super().run_subtests(subtest_config, run, *args, **kwargs)
+
+    def _record(
+        self,
+        step: int,
+        model: nn.Module,
+        ref: nn.Module,
+        collectives: _Collectives,
+        bf16_errors: tuple[dict[str, float], dict[str, float]] | None = None,
+    ) -> None:
+        """
+        If ``FSDP_LIFECYCLE_RESULTS`` is set: folds step ``step``'s
+        reduce-scatters per group, max abs gradient error against ``ref`` and
+        (bf16) the chunked and non-chunked relative errors into this test's
+        record, which rank 0 appends to that file as a JSON line after the
+        last step. Call on every rank (gathering the gradients is collective).
+        """
+        path = os.environ.get(RESULTS_ENV)
+        if not path:
+            return
+        groups = {
+            _group_name(g)
+            for g in _param_groups(model)
+            if any(p.sharded_param.requires_grad for p in g.fsdp_params)
+        }
+        grad_error = 0.0
+        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+            grad, ref_grad = _full_grad(param), _full_grad(ref_param)
+            if grad is not None and ref_grad is not None:
+                error = (grad.float() - ref_grad.float()).abs().max().item()
+                grad_error = max(grad_error, error)
+        if step == 0:
+            self._measured: dict[str, Any] = {
+                "scenario": self._testMethodName,
+                "config": getattr(self, "_subtest_kwargs", {}),
+                "world_size": self.world_size,
+                "steps": NUM_STEPS,
+                "reduce_scatters_per_group_per_step": set(),
+                "max_abs_grad_error": 0.0,
+            }
+        measured = self._measured
+        measured["reduce_scatters_per_group_per_step"].update(
+            collectives.reduce_scatters[g]
+            for g in groups | set(collectives.reduce_scatters)
+        )
+        measured["max_abs_grad_error"] = max(measured["max_abs_grad_error"], grad_error)
+        if bf16_errors is not None:
+            chunked, non_chunked = (max(e.values()) for e in bf16_errors)
+            for key, value in (
+                ("bf16_chunked_rel_error", chunked),
+                ("bf16_non_chunked_rel_error", non_chunked),
+                ("bf16_error_ratio", chunked / non_chunked),
+            ):
+                measured[key] = max(measured.get(key, 0.0), value)
+        if step == NUM_STEPS - 1 and self.rank == 0:
+            measured["reduce_scatters_per_group_per_step"] = sorted(
+                measured["reduce_scatters_per_group_per_step"]
+            )
+            # Optimizer classes by name, dtypes as ``torch.float32``
+            line = json.dumps(
+                measured, default=lambda v: getattr(v, "__name__", str(v))
+            )
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
     def _reference_backward(self, ref: Transformer, step: int, dp_size: int) -> None:
         """Accumulates every data parallel rank's microbatches into ``ref``."""
         for dp_rank in range(dp_size):
@@ -548,6 +623,7 @@ class _CompositionTestMixin:
             self._assert_one_reduce_scatter_per_group(model, collectives, step)
             self._reference_backward(ref, step, dp_size)
             self._assert_close(model, ref, "grad", step)
+            self._record(step, model, ref, collectives)
             if max_norm is not None:
                 total_norm = _clip_grad_norm_(list(model.parameters()), max_norm)
                 ref_total_norm = torch.nn.utils.clip_grad_norm_(
@@ -651,6 +727,7 @@ class _CompositionTestMixin:
             # Not trivially satisfied: bf16-accurate, not fp32-exact
             self.assertGreater(min(baseline_errors.values()), 1e-4, msg)
             self.assertLess(max(baseline_errors.values()), 5e-2, msg)
+            self._record(step, model, ref, collectives, (errors, baseline_errors))
             for optim in optims:
                 optim.step()
                 optim.zero_grad()
@@ -802,6 +879,7 @@ class TestFullyShardChunkedLossCompositions(
                 loss = _loss(ref.lm_head(ref(tokens[0])), labels[0])
                 (loss * NUM_MICROBATCHES / self.world_size).backward()
             self._assert_close(model, ref, "grad", step)
+            self._record(step, model, ref, collectives)
             for opt in (optim, ref_optim):
                 opt.step()
                 opt.zero_grad()
@@ -913,6 +991,7 @@ class TestFullyShardChunkedLossCompositions(
             self._reference_backward(ref, step, self.world_size)
             self._assert_close(model, baseline, "grad", step)
             self._assert_close(model, ref, "grad", step)
+            self._record(step, model, ref, collectives)
             for opt in (optim, baseline_optim, ref_optim):
                 opt.step()
                 opt.zero_grad()
