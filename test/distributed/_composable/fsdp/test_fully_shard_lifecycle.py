@@ -1237,5 +1237,120 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
                 self.assertEqual(len(comm_ctx.post_forward_order), 0)
 
 
+class TestFullyShardEvalThenTrain(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """
+    2.15.0 user code without the new APIs: a grouped head
+    (``fully_shard([norm, lm_head])``) called per chunk after the root forward,
+    and a ``no_grad`` evaluation between training steps that calls the head
+    the same way. The evaluation leaves the head's forward incomplete (its
+    claim on the iteration stays), so the next training iteration starts
+    without the root claiming it; that iteration must still record its
+    post-forward order and prefetch in backward.
+    """
+
+    # Measured on torch 2.15.0 without the patches (world 1 and 2, this model
+    # and step): the post-forward order after the forward, and the implicit
+    # backward prefetches (source -> target). A training step right after the
+    # evaluation completes the head group inside the root forward, so its own
+    # entries are in another order. 2.15.0 also keeps the evaluation's four
+    # entries in front of them and issues one more prefetch, from
+    # ``layers.0`` to the evaluation's stale head entry; the patched FSDP
+    # drops an evaluation's entries (see [Note: FSDP evaluation bookkeeping]),
+    # so these are 2.15.0's entries and prefetches for the training iteration
+    # itself. Revision 2 recorded ``["<root>"]`` and prefetched nothing.
+    EXPECTED_ORDER = ["layers.0", "layers.1", "<root>", "norm, lm_head"]
+    EXPECTED_PREFETCHES = [
+        ("<root>", "layers.1"),
+        ("norm, lm_head", "<root>"),
+        ("layers.1", "layers.0"),
+    ]
+    # Reduce-scatters per group in one step, also as in 2.15.0: the grouped
+    # head, called per chunk without ``finish_forward``, reduces twice
+    EXPECTED_REDUCE_SCATTERS = {
+        "<root>": 1,
+        "layers.0": 1,
+        "layers.1": 1,
+        "norm, lm_head": 2,
+    }
+    EXPECTED_ORDER_AFTER_EVAL = ["layers.0", "layers.1", "norm, lm_head", "<root>"]
+    EXPECTED_PREFETCHES_AFTER_EVAL = [
+        ("norm, lm_head", "layers.1"),
+        ("<root>", "norm, lm_head"),
+        ("layers.1", "layers.0"),
+    ]
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_eval_with_partial_head_calls_then_train(self):
+        """
+        Training steps with and without a preceding evaluation record 2.15.0's
+        post-forward order and backward prefetches, reduce-scatter as 2.15.0
+        does, and match an unsharded reference over several SGD steps.
+        """
+        tokens, labels = _make_data(self.rank)
+        model, ref = _make_models(
+            "grouped", "full", norm_in_forward=True, mesh=self._mesh()
+        )
+        optim = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        comm_ctx = model._get_fsdp_state()._comm_ctx
+        recorder = _Recorder(model)
+        with recorder.record():
+            for step in range(2 * NUM_MICROBATCHES):
+                eval_before = step % 2 == 1
+                mb = step % NUM_MICROBATCHES
+                where = f"step {step}, eval before: {eval_before}"
+                if eval_before:
+                    with torch.no_grad():
+                        h = model(tokens[mb])
+                        for h_chunk in h.chunk(NUM_CHUNKS, dim=1):
+                            model.lm_head(h_chunk)
+                num_prefetches = len(recorder.prefetches)
+                num_reduce_scatters = collections.Counter(recorder.reduce_scatters)
+                h = model(tokens[mb])
+                order = [_group_name(g) for g in comm_ctx.post_forward_order]
+                loss = sum(
+                    _loss(model.lm_head(h_chunk), label_chunk)
+                    for h_chunk, label_chunk in zip(
+                        h.chunk(NUM_CHUNKS, dim=1),
+                        labels[mb].chunk(NUM_CHUNKS, dim=1),
+                    )
+                )
+                recorder.record_prefetches = True
+                loss.backward()
+                recorder.record_prefetches = False
+                prefetches = [
+                    (_group_name(source), _group_name(target))
+                    for source, target in recorder.prefetches[num_prefetches:]
+                ]
+                if eval_before:
+                    self.assertEqual(order, self.EXPECTED_ORDER_AFTER_EVAL, where)
+                    self.assertEqual(
+                        prefetches, self.EXPECTED_PREFETCHES_AFTER_EVAL, where
+                    )
+                else:
+                    self.assertEqual(order, self.EXPECTED_ORDER, where)
+                    self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
+                self.assertEqual(
+                    {
+                        _group_name(g): recorder.reduce_scatters[g]
+                        - num_reduce_scatters[g]
+                        for g in _param_groups(model)
+                    },
+                    self.EXPECTED_REDUCE_SCATTERS,
+                    where,
+                )
+                self.assertEqual(len(comm_ctx.post_forward_order), 0, where)
+                self._reference_step(ref, [tokens[mb]], [labels[mb]])
+                self._assert_matches_reference(model, ref, "grad")
+                optim.step()
+                ref_optim.step()
+                optim.zero_grad()
+                ref_optim.zero_grad()
+                self._assert_matches_reference(model, ref, "param")
+
+
 if __name__ == "__main__":
     run_tests()

@@ -729,6 +729,105 @@ class TestFullyShardPolicy(_PolicyTestBase):
             self.assertEqual(root_ctx.is_last_backward, root_value)
             self.assertEqual(root_ctx.is_last_backward_stack, [])
 
+    def test_is_last_backward_root_and_non_root_scopes_before_lazy_init(self):
+        """
+        ``fsdp_policy(is_last_backward=...)`` scopes open on the root and on a
+        non-root module across the first forward (lazy init) nest in the order
+        they were entered, whichever of them is outside: the inner scope's
+        value is in force and each exit restores the value from before that
+        scope. Revision 2 appended the non-root's scopes after the root's, so
+        with the non-root scope outside, the root read the outer ``False``
+        inside the inner scope and each exit restored the other scope's value.
+        A backward finalizes only where ``True`` is in force (nothing is left
+        pending), and the accumulated gradients and the parameters after SGD
+        steps match a single-process reference.
+        """
+        num_steps = 4
+        local_inputs = _local_inputs(self.rank, num_steps, seed=5)
+        all_inputs = _all_inputs(local_inputs)
+        for outer_on_root in (False, True):
+            for root_value in (True, False):
+                where = f"outer scope on root: {outer_on_root}, root: {root_value}"
+                torch.manual_seed(0)
+                model = Model()
+                ref_model = copy.deepcopy(model)
+                _shard(model)
+                optim = torch.optim.SGD(model.parameters(), lr=0.1)
+                ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+                outer, inner = (
+                    (model, model.body[0]) if outer_on_root else (model.body[0], model)
+                )
+                model.set_is_last_backward(root_value)
+
+                def train_step(step: int) -> None:
+                    _loss(model(local_inputs[step])).backward()
+                    ref_inp = torch.cat([inputs[step] for inputs in all_inputs])
+                    _loss(ref_model(ref_inp)).backward()
+
+                def root_ctx() -> Any:
+                    return model._get_fsdp_state()._state_ctx
+
+                with outer.fsdp_policy(is_last_backward=False):
+                    with inner.fsdp_policy(is_last_backward=True):
+                        train_step(0)  # lazy init
+                        self.assertIs(
+                            model.body[0]._get_fsdp_state()._state_ctx, root_ctx()
+                        )
+                        self.assertTrue(root_ctx().is_last_backward, where)
+                        self.assertFalse(model.has_pending_gradients(), where)
+                    self.assertFalse(root_ctx().is_last_backward, where)
+                    train_step(1)
+                    self.assertTrue(model.has_pending_gradients(), where)
+                self.assertEqual(root_ctx().is_last_backward, root_value, where)
+                self.assertEqual(root_ctx().is_last_backward_stack, [], where)
+                model.set_is_last_backward(True)
+                train_step(2)
+                self.assertFalse(model.has_pending_gradients(), where)
+                for step in range(num_steps - 1, num_steps + 1):
+                    if step == num_steps:
+                        train_step(step - 1)
+                    for (name, param), ref_param in zip(
+                        model.named_parameters(), ref_model.parameters()
+                    ):
+                        self.assertEqual(
+                            param.grad.full_tensor(),
+                            ref_param.grad,
+                            msg=f"{where}: {name}",
+                        )
+                    optim.step()
+                    ref_optim.step()
+                    optim.zero_grad()
+                    ref_optim.zero_grad()
+                for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+                    self.assertEqual(param.full_tensor(), ref_param, msg=where)
+
+    def test_recurse_and_int_1(self):
+        """
+        ``recurse`` must be a ``bool`` (``"no"`` used to recurse silently),
+        checked before anything changes. An ``int`` ``reshard_after_forward``
+        of ``1`` gives the warning ``fully_shard`` gives and reads back as
+        ``False``.
+        """
+        torch.manual_seed(0)
+        model = _shard(Model())
+        before = _snapshot(model)
+        for call in (
+            lambda: model.set_fsdp_policy(FSDPPolicy(), recurse="no"),
+            lambda: model.fsdp_policy(
+                requires_gradient_sync=False, recurse=1
+            ).__enter__(),
+        ):
+            with self.assertRaisesRegex(TypeError, "recurse must be a bool"):
+                call()
+        self._assert_same_snapshot(before, _snapshot(model), "recurse")
+        with self.assertLogs("torch.distributed.fsdp.fully_shard", "WARNING") as logs:
+            model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=1), recurse=True)
+        self.assertIn("reshard_after_forward=1 (int)", "\n".join(logs.output))
+        for name, policy in _policies(model).items():
+            self.assertEqual(policy, FSDPPolicy(reshard_after_forward=False), name)
+        for group in _groups(model):
+            self.assertIsNone(group.post_forward_mesh_info)
+
     def test_reshard_keeps_unreduced_gradients(self):
         """
         The documented contract of ``FSDPModule.reshard``: resharding every
@@ -1306,6 +1405,114 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         for group in groups:
             self.assertTrue(group.reduce_grads)
             self.assertIs(group.post_forward_mesh_info, group.mesh_info)
+
+    def test_int_with_groups_on_a_smaller_mesh(self):
+        """
+        Public arguments only: ``fully_shard(..., mesh=<4 ranks>,
+        shard_placement_fn=<lm_head on a 2-rank sub-mesh>,
+        reshard_after_forward=2)``, as for expert-parallel MoE. The group on
+        the 4-rank mesh reshards to a post-forward mesh of 2 ranks, and the
+        group on the 2-rank mesh to its own mesh (``2`` is its shard mesh
+        size), yet the module has one policy: ``get_fsdp_policy()`` returns the
+        ``2`` it was given (revision 2 raised ``ValueError``), round trips and
+        scopes change nothing and create no mesh or group, switching to
+        ``True``/``False``/``None`` and back gives each group its mesh again,
+        and training steps with a no-sync microbatch match a reference.
+        """
+        mesh_1d = init_device_mesh("cpu", (4,))
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        ep_mesh_info = FSDPMeshInfo(mesh_2d["ep"], shard_mesh_dim=0)
+
+        def shard_placement_fn(param: nn.Parameter):
+            if any(param is p for p in model.lm_head.parameters()):
+                return ShardPlacementResult(Shard(0), ep_mesh_info)
+            return None
+
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        fully_shard(
+            model,
+            mesh=mesh_1d,
+            reshard_after_forward=2,
+            shard_placement_fn=shard_placement_fn,
+        )
+        groups = model._get_fsdp_state()._fsdp_param_groups
+        self.assertEqual(len(groups), 2)
+        (dp_group,) = [g for g in groups if g.mesh_info.shard_mesh_size == 4]
+        (ep_group,) = [g for g in groups if g.mesh_info.shard_mesh_size == 2]
+        dp_int_mesh_info = dp_group.post_forward_mesh_info
+        self.assertEqual(dp_int_mesh_info.shard_mesh_size, 2)
+        self.assertIs(ep_group.post_forward_mesh_info, ep_group.mesh_info)
+        int_policy = FSDPPolicy(reshard_after_forward=2)
+
+        def check_int_policy(where: str) -> None:
+            self.assertEqual(model.get_fsdp_policy(), int_policy, where)
+            self.assertIs(dp_group.post_forward_mesh_info, dp_int_mesh_info, where)
+            self.assertIs(ep_group.post_forward_mesh_info, ep_group.mesh_info, where)
+
+        check_int_policy("after fully_shard")
+        self._round_trip(model, recurse=False, where="before lazy init")
+        with _count_mesh_and_group_creation() as created:
+            for raf in (True, False, None):
+                model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=raf))
+                self.assertEqual(
+                    model.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=raf)
+                )
+                expected = None if raf is False else "mesh"
+                for group in groups:
+                    if expected is None:
+                        self.assertIsNone(group.post_forward_mesh_info, raf)
+                    else:
+                        self.assertIs(
+                            group.post_forward_mesh_info, group.mesh_info, raf
+                        )
+                model.set_fsdp_policy(int_policy)
+                check_int_policy(f"back from {raf}")
+            # The pristine setter keeps the state's value too
+            model.set_reshard_after_forward(True)
+            self.assertEqual(
+                model.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=True)
+            )
+            model.set_fsdp_policy(int_policy)
+        self.assertEqual(created["mesh"], 0)
+        self.assertEqual(created["group"], 0)
+        check_int_policy("after switching")
+
+        # Every rank uses the same inputs, so the gradients of the group on
+        # the 2-rank mesh (reduced over 2 ranks only) match the reference
+        inputs = _local_inputs(0, 2 * NUM_MICROBATCHES, seed=7)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        for step in range(2):
+            for mb in range(NUM_MICROBATCHES):
+                inp = inputs[step * NUM_MICROBATCHES + mb]
+                is_last = mb == NUM_MICROBATCHES - 1
+                with model.fsdp_policy(
+                    requires_gradient_sync=is_last, recurse=True
+                ) as applied:
+                    self.assertEqual(
+                        applied,
+                        FSDPPolicy(
+                            requires_gradient_sync=is_last, reshard_after_forward=2
+                        ),
+                    )
+                    _loss(model(inp)).backward()
+                check_int_policy(f"step {step}, microbatch {mb}")
+                _loss(ref_model(inp)).backward()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(
+                    param.grad.full_tensor(), ref_param.grad, msg=f"{step}: {name}"
+                )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+            self.assertEqual(param.full_tensor(), ref_param)
+        self._round_trip(model, recurse=True, where="after training")
 
     def test_hsdp_gradient_sync_and_all_reduce(self):
         """
