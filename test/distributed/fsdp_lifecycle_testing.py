@@ -1,7 +1,8 @@
 # Owner(s): ["oncall: distributed"]
 """
 Shared pieces of the torch-fsdp-lifecycle tests: a gloo/CPU multi-process test
-case and collective counters.
+case, collective counters and queries of a model's FSDP states, parameter
+groups and policies, and random token data.
 
 In torch 2.15.0, ``FSDPTest`` exits every rank with a skip when there are fewer
 accelerators than ranks, so on a CPU-only machine an ``FSDPTest`` suite skips
@@ -13,9 +14,13 @@ in ``torch/testing/_internal/common_fsdp.py``.
 import collections
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, FSDPPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.testing._internal.common_distributed import (
     MultiProcessTestCase,
     run_subtests,
@@ -118,3 +123,51 @@ class CollectiveCounter:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+
+
+def fsdp_states(model: nn.Module) -> list[Any]:
+    """The distinct FSDP states of ``model``'s FSDP modules, in module order."""
+    states: dict[Any, None] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            states.setdefault(module._get_fsdp_state(), None)
+    return list(states)
+
+
+def fsdp_param_groups(model: nn.Module) -> list[FSDPParamGroup]:
+    """The parameter groups of :func:`fsdp_states`, in state order."""
+    return [g for state in fsdp_states(model) for g in state._fsdp_param_groups]
+
+
+def param_group_name(group: FSDPParamGroup) -> str:
+    """The group's module FQN(s), or ``"<root>"`` for the root's group."""
+    return group._module_fqn or "<root>"
+
+
+def fsdp_policies(model: nn.Module) -> dict[str, FSDPPolicy]:
+    """Each FSDP module's current policy, by module name."""
+    return {
+        name: module.get_fsdp_policy()
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+    }
+
+
+def random_token_microbatches(
+    seed: int, num_microbatches: int, vocab_size: int, batch_size: int, seq_len: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """
+    Returns ``(tokens, labels)``: ``num_microbatches`` random token tensors of
+    shape ``(batch_size, seq_len)`` each, all tokens then all labels drawn from
+    one generator seeded with ``seed``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [
+        torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
+        for _ in range(num_microbatches)
+    ]
+    labels = [
+        torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
+        for _ in range(num_microbatches)
+    ]
+    return tokens, labels

@@ -38,7 +38,12 @@ sys.path.insert(
 )
 from fsdp_lifecycle_testing import (  # noqa: E402
     CollectiveCounter,
+    fsdp_param_groups,
+    fsdp_policies,
+    fsdp_states,
     GlooMultiProcessTestCase,
+    param_group_name,
+    random_token_microbatches,
 )
 
 
@@ -122,22 +127,10 @@ def _make_models(
     return model, ref
 
 
-def _fsdp_states(model: nn.Module) -> list[Any]:
-    states: dict[Any, None] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            states.setdefault(module._get_fsdp_state(), None)
-    return list(states)
-
-
-def _param_groups(model: nn.Module) -> list[FSDPParamGroup]:
-    return [g for state in _fsdp_states(model) for g in state._fsdp_param_groups]
-
-
 def _trainable_groups(model: nn.Module) -> list[FSDPParamGroup]:
     return [
         g
-        for g in _param_groups(model)
+        for g in fsdp_param_groups(model)
         if any(p.sharded_param.requires_grad for p in g.fsdp_params)
     ]
 
@@ -147,29 +140,17 @@ def _head_group(model: Transformer) -> FSDPParamGroup:
     return group
 
 
-def _group_name(group: FSDPParamGroup) -> str:
-    return group._module_fqn or "<root>"
-
-
-def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
-    return {
-        name: module.get_fsdp_policy()
-        for name, module in model.named_modules()
-        if isinstance(module, FSDPModule)
-    }
-
-
 def _bookkeeping(model: FSDPModule) -> dict[str, Any]:
     """FSDP's per-iteration state, as plain values."""
     root_state = model._get_fsdp_state()
-    states = _fsdp_states(model)
+    states = fsdp_states(model)
     return {
         # The communication context gets its post-forward order at lazy init
         "post_forward_order": len(
             getattr(root_state._comm_ctx, "post_forward_order", ())
         ),
         "post_forward_indices": [
-            len(g._post_forward_indices) for g in _param_groups(model)
+            len(g._post_forward_indices) for g in fsdp_param_groups(model)
         ],
         "reduce_scatter_states": len(
             getattr(root_state._comm_ctx, "reduce_scatter_states", ())
@@ -177,9 +158,9 @@ def _bookkeeping(model: FSDPModule) -> dict[str, Any]:
         "modules_to_run_forward": [len(s._modules_to_run_forward) for s in states],
         "iter_forward_root": root_state._state_ctx.iter_forward_root is not None,
         "state_training_states": [s._training_state for s in states],
-        "group_training_states": [g._training_state for g in _param_groups(model)],
+        "group_training_states": [g._training_state for g in fsdp_param_groups(model)],
         "post_backward_pending": [
-            g._post_backward_pending for g in _param_groups(model)
+            g._post_backward_pending for g in fsdp_param_groups(model)
         ],
         "partial_backward": root_state._state_ctx.partial_backward is not None,
         "callback_queued": root_state._state_ctx.post_backward_final_callback_queued,
@@ -196,7 +177,9 @@ class _Recorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.counter = CollectiveCounter()
-        self._group_of = {id(p): g for g in _param_groups(model) for p in g.fsdp_params}
+        self._group_of = {
+            id(p): g for g in fsdp_param_groups(model) for p in g.fsdp_params
+        }
         self.all_gathers: collections.Counter[FSDPParamGroup] = collections.Counter()
         self.reduce_scatters: collections.Counter[FSDPParamGroup] = (
             collections.Counter()
@@ -335,16 +318,9 @@ def _microbatch_policy(model: FSDPModule, deferral: str, mb: int):
 
 
 def _make_data(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1000 + rank)
-    tokens = [
-        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
-        for _ in range(NUM_MICROBATCHES)
-    ]
-    labels = [
-        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
-        for _ in range(NUM_MICROBATCHES)
-    ]
-    return tokens, labels
+    return random_token_microbatches(
+        1000 + rank, NUM_MICROBATCHES, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
+    )
 
 
 class _LifecycleTestMixin:
@@ -468,13 +444,13 @@ class _LifecycleTestMixin:
         model, ref = _make_models(
             layout, training, norm_in_forward=norm_in_forward, mesh=mesh
         )
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         recorder = _Recorder(model)
         with recorder.record():
             losses, head_all_gathers, prefetches = self._run_step(
                 model, tokens, labels, deferral, chunked=True, recorder=recorder
             )
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
 
         # Numerics against the single-process full-logits reference
         ref_losses = self._reference_step(ref, tokens, labels)
@@ -501,14 +477,14 @@ class _LifecycleTestMixin:
         is_hsdp = mesh.ndim == 2
         num_rs = 1 if deferral == "on" else NUM_MICROBATCHES
         num_ar = (NUM_MICROBATCHES if deferral == "off" else 1) if is_hsdp else 0
-        for group in _param_groups(model):
+        for group in fsdp_param_groups(model):
             expected_rs = num_rs if group in trainable else 0
             expected_ar = num_ar if group in trainable else 0
             self.assertEqual(
-                recorder.reduce_scatters[group], expected_rs, _group_name(group)
+                recorder.reduce_scatters[group], expected_rs, param_group_name(group)
             )
             self.assertEqual(
-                recorder.all_reduces[group], expected_ar, _group_name(group)
+                recorder.all_reduces[group], expected_ar, param_group_name(group)
             )
         self.assertEqual(recorder.counter["reduce_scatter"], num_rs * len(trainable))
         self.assertEqual(recorder.counter["all_reduce"], num_ar * len(trainable))
@@ -527,12 +503,12 @@ class _LifecycleTestMixin:
         # keeps earlier microbatches' entries, and the non-chunked run's
         # include the head's forward, which ``partial_backward`` drops
         decoder_prefetches = collections.Counter(
-            _group_name(source)
+            param_group_name(source)
             for source, _ in prefetches
             if source is not _head_group(model)
         )
         baseline_decoder_prefetches = collections.Counter(
-            _group_name(source)
+            param_group_name(source)
             for source, _ in baseline_prefetches
             if source is not _head_group(baseline)
         )
@@ -647,7 +623,7 @@ class TestFullyShardPartialBackwardLifecycle(
         bookkeeping = _bookkeeping(model)
         self.assertEqual(bookkeeping["post_forward_order"], 0)
         self.assertEqual(
-            bookkeeping["modules_to_run_forward"], [0] * len(_fsdp_states(model))
+            bookkeeping["modules_to_run_forward"], [0] * len(fsdp_states(model))
         )
         self.assertFalse(bookkeeping["iter_forward_root"])
         self.assertFalse(bookkeeping["partial_backward"])
@@ -703,7 +679,7 @@ class TestFullyShardPartialBackwardLifecycle(
             m.lm_head.set_fsdp_policy(
                 FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True)
             )
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         self._step(clean, tokens, labels)
         root_state_ctx = model._get_fsdp_state()._state_ctx
 
@@ -713,14 +689,14 @@ class TestFullyShardPartialBackwardLifecycle(
 
         with self.assertRaises(_InjectedError):
             self._step(model, tokens, labels, chunk_hooks={failed_microbatch: fail})
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
         self.assertIsNone(root_state_ctx.partial_backward)
         self.assertTrue(root_state_ctx.is_last_backward)
 
         model.reset_iter_state()
         model.zero_grad(set_to_none=True)
         self._step(model, tokens, labels)
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
         grads, clean_grads = self._grads(model), self._grads(clean)
         self.assertEqual(grads.keys(), clean_grads.keys())
         for name, grad in grads.items():
@@ -738,7 +714,7 @@ class TestFullyShardPartialBackwardLifecycle(
         model, _ = _make_models("grouped", "full", norm_in_forward=True, mesh=mesh)
 
         def snapshot() -> tuple[Any, ...]:
-            return _policies(model), _bookkeeping(model)
+            return fsdp_policies(model), _bookkeeping(model)
 
         # Before lazy init (no root forward yet)
         before = snapshot()
@@ -819,10 +795,10 @@ class TestFullyShardPartialBackwardLifecycle(
                 out = model.head(h + model.tok_embeddings(tokens[0]))
             else:
                 out = model.head(h)
-            before = _policies(model), _bookkeeping(model)
+            before = fsdp_policies(model), _bookkeeping(model)
             for output in (out, (out, [out]), {"a": out}):
                 self.assertIs(model.lm_head.finish_forward(output), output)
-                self.assertEqual((_policies(model), _bookkeeping(model)), before)
+                self.assertEqual((fsdp_policies(model), _bookkeeping(model)), before)
             out.sum().backward()
             self._assert_idle(model)
 
@@ -863,13 +839,13 @@ class TestFullyShardPartialBackwardLifecycle(
                     torch.testing.assert_close(
                         logits, ref.head(ref(tokens)), atol=ATOL, rtol=RTOL
                     )
-            for group in _param_groups(model):
+            for group in fsdp_param_groups(model):
                 if group not in root_groups:
-                    self.assertTrue(group.is_sharded, _group_name(group))
+                    self.assertTrue(group.is_sharded, param_group_name(group))
             self._assert_idle(model)
             self.assertEqual(
                 _bookkeeping(model)["post_forward_indices"],
-                [0] * len(_param_groups(model)),
+                [0] * len(fsdp_param_groups(model)),
             )
 
     def test_bookkeeping_bounded(self):
@@ -992,7 +968,9 @@ class TestFullyShardPartialBackwardLifecycle(
                     # Exit resharded per the caller's reshard_after_backward
                     self.assertTrue(head.is_sharded)
         self.assertEqual(recorder.counter["reduce_scatter"], 1)
-        self.assertFalse(any(g._post_backward_pending for g in _param_groups(model)))
+        self.assertFalse(
+            any(g._post_backward_pending for g in fsdp_param_groups(model))
+        )
         self._assert_idle(model)
         self._reference_step(ref, tokens, labels)
         self._assert_matches_reference(model, ref, "grad")
@@ -1015,7 +993,7 @@ class TestFullyShardPartialBackwardLifecycle(
         )
         model.set_manual_backward_finalization(True)
         tokens, labels = _make_data(self.rank)
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         recorder = _Recorder(model)
         with recorder.record():
             for mb in range(NUM_MICROBATCHES):
@@ -1025,12 +1003,16 @@ class TestFullyShardPartialBackwardLifecycle(
             self.assertTrue(_head_group(model)._post_backward_pending)
             model.finalize_backward()
         for group in _trainable_groups(model):
-            self.assertEqual(recorder.reduce_scatters[group], 1, _group_name(group))
+            self.assertEqual(
+                recorder.reduce_scatters[group], 1, param_group_name(group)
+            )
         self.assertEqual(
             recorder.counter["reduce_scatter"], len(_trainable_groups(model))
         )
-        self.assertFalse(any(g._post_backward_pending for g in _param_groups(model)))
-        self.assertEqual(_policies(model), policies)
+        self.assertFalse(
+            any(g._post_backward_pending for g in fsdp_param_groups(model))
+        )
+        self.assertEqual(fsdp_policies(model), policies)
         self._reference_step(ref, tokens, labels)
         self._assert_matches_reference(model, ref, "grad")
 
@@ -1066,7 +1048,7 @@ class TestFullyShardChunkedLossIntReshard(
         fully_shard(model, mesh=mesh)
         optim = torch.optim.SGD(model.parameters(), lr=LR)
         ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         self.assertEqual(policies["lm_head"], FSDPPolicy(reshard_after_forward=2))
         head = _head_group(model)
         for step in range(2):
@@ -1091,7 +1073,7 @@ class TestFullyShardChunkedLossIntReshard(
                         head.fsdp_params[0].post_forward_mesh_info,
                     )
                     h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
-                self.assertEqual(_policies(model), policies)
+                self.assertEqual(fsdp_policies(model), policies)
             self._reference_step(ref, tokens, labels)
             self._assert_matches_reference(model, ref, "grad")
             optim.step()
@@ -1153,7 +1135,8 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
         """One iteration; returns the post-forward order after the forward."""
         loss = _loss(model(tokens), labels)
         order = [
-            _group_name(g) for g in model._get_fsdp_state()._comm_ctx.post_forward_order
+            param_group_name(g)
+            for g in model._get_fsdp_state()._comm_ctx.post_forward_order
         ]
         recorder.record_prefetches = True
         loss.backward()
@@ -1183,7 +1166,7 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
                     )
                     self.assertEqual(order, self.EXPECTED_ORDER, where)
                     prefetches = [
-                        (_group_name(source), _group_name(target))
+                        (param_group_name(source), param_group_name(target))
                         for source, target in recorder.prefetches[num_prefetches:]
                     ]
                     self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
@@ -1215,7 +1198,7 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
                         model(tokens[it % NUM_MICROBATCHES])
                         self.assertEqual(len(comm_ctx.post_forward_order), 0)
                 self.assertEqual(
-                    [len(g._post_forward_indices) for g in _param_groups(model)],
+                    [len(g._post_forward_indices) for g in fsdp_param_groups(model)],
                     [0] * 3,
                 )
                 # An evaluation between a training forward and its backward
@@ -1223,14 +1206,14 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
                 with torch.no_grad():
                     for it in range(200):
                         model(tokens[it % NUM_MICROBATCHES])
-                order = [_group_name(g) for g in comm_ctx.post_forward_order]
+                order = [param_group_name(g) for g in comm_ctx.post_forward_order]
                 self.assertEqual(order, self.EXPECTED_ORDER)
                 num_prefetches = len(recorder.prefetches)
                 recorder.record_prefetches = True
                 loss.backward()
                 recorder.record_prefetches = False
                 prefetches = [
-                    (_group_name(source), _group_name(target))
+                    (param_group_name(source), param_group_name(target))
                     for source, target in recorder.prefetches[num_prefetches:]
                 ]
                 self.assertEqual(prefetches, self.EXPECTED_PREFETCHES)
@@ -1310,7 +1293,7 @@ class TestFullyShardEvalThenTrain(_LifecycleTestMixin, GlooMultiProcessTestCase)
                 num_prefetches = len(recorder.prefetches)
                 num_reduce_scatters = collections.Counter(recorder.reduce_scatters)
                 h = model(tokens[mb])
-                order = [_group_name(g) for g in comm_ctx.post_forward_order]
+                order = [param_group_name(g) for g in comm_ctx.post_forward_order]
                 loss = sum(
                     _loss(model.lm_head(h_chunk), label_chunk)
                     for h_chunk, label_chunk in zip(
@@ -1322,7 +1305,7 @@ class TestFullyShardEvalThenTrain(_LifecycleTestMixin, GlooMultiProcessTestCase)
                 loss.backward()
                 recorder.record_prefetches = False
                 prefetches = [
-                    (_group_name(source), _group_name(target))
+                    (param_group_name(source), param_group_name(target))
                     for source, target in recorder.prefetches[num_prefetches:]
                 ]
                 if eval_before:
@@ -1335,9 +1318,9 @@ class TestFullyShardEvalThenTrain(_LifecycleTestMixin, GlooMultiProcessTestCase)
                     self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
                 self.assertEqual(
                     {
-                        _group_name(g): recorder.reduce_scatters[g]
+                        param_group_name(g): recorder.reduce_scatters[g]
                         - num_reduce_scatters[g]
-                        for g in _param_groups(model)
+                        for g in fsdp_param_groups(model)
                     },
                     self.EXPECTED_REDUCE_SCATTERS,
                     where,

@@ -39,7 +39,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     FSDPModule,
-    FSDPPolicy,
     fully_shard,
     MixedPrecisionPolicy,
     register_fsdp_forward_method,
@@ -61,7 +60,11 @@ sys.path.insert(
 )
 from fsdp_lifecycle_testing import (  # noqa: E402
     CollectiveCounter,
+    fsdp_param_groups,
+    fsdp_policies,
     GlooMultiProcessTestCase,
+    param_group_name,
+    random_token_microbatches,
 )
 
 
@@ -216,22 +219,6 @@ def _make_models(
     return model, ref
 
 
-def _fsdp_states(model: nn.Module) -> list[Any]:
-    states: dict[Any, None] = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            states.setdefault(module._get_fsdp_state(), None)
-    return list(states)
-
-
-def _param_groups(model: nn.Module) -> list[FSDPParamGroup]:
-    return [g for state in _fsdp_states(model) for g in state._fsdp_param_groups]
-
-
-def _group_name(group: FSDPParamGroup) -> str:
-    return group._module_fqn or "<root>"
-
-
 def _set_caller_policies(model: nn.Module) -> None:
     """
     Gives every FSDP module a caller's policy that differs from the one
@@ -248,14 +235,6 @@ def _set_caller_policies(model: nn.Module) -> None:
             module.set_fsdp_policy(policy)
 
 
-def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
-    return {
-        name: module.get_fsdp_policy()
-        for name, module in model.named_modules()
-        if isinstance(module, FSDPModule)
-    }
-
-
 class _Collectives:
     """
     Attributes FSDP's reduce-scatters to parameter groups (by wrapping
@@ -266,7 +245,9 @@ class _Collectives:
 
     def __init__(self, model: nn.Module) -> None:
         self.counter = CollectiveCounter()
-        self._group_of = {id(p): g for g in _param_groups(model) for p in g.fsdp_params}
+        self._group_of = {
+            id(p): g for g in fsdp_param_groups(model) for p in g.fsdp_params
+        }
         self.reduce_scatters: collections.Counter[str] = collections.Counter()
         self.backward_prefetches: list[str] = []
 
@@ -279,14 +260,14 @@ class _Collectives:
             group = self._group_of[id(fsdp_params[0])]
             num_rs = self.counter["reduce_scatter"]
             out = orig_reduce(fsdp_params, *args, **kwargs)
-            self.reduce_scatters[_group_name(group)] += (
+            self.reduce_scatters[param_group_name(group)] += (
                 self.counter["reduce_scatter"] - num_rs
             )
             return out
 
         def prefetch(target, pass_type):
             if pass_type == "backward":
-                self.backward_prefetches.append(_group_name(target))
+                self.backward_prefetches.append(param_group_name(target))
             return orig_prefetch.__func__(target, pass_type)
 
         try:
@@ -362,16 +343,9 @@ def _make_data(
     step: int, dp_rank: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Data parallel rank ``dp_rank``'s microbatches of optimizer step ``step``."""
-    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-    tokens = [
-        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
-        for _ in range(NUM_MICROBATCHES)
-    ]
-    labels = [
-        torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
-        for _ in range(NUM_MICROBATCHES)
-    ]
-    return tokens, labels
+    return random_token_microbatches(
+        1000 * step + dp_rank, NUM_MICROBATCHES, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
+    )
 
 
 def _full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -465,8 +439,8 @@ class _CompositionTestMixin:
         if not path:
             return
         groups = {
-            _group_name(g)
-            for g in _param_groups(model)
+            param_group_name(g)
+            for g in fsdp_param_groups(model)
             if any(p.sharded_param.requires_grad for p in g.fsdp_params)
         }
         grad_error = 0.0
@@ -533,7 +507,7 @@ class _CompositionTestMixin:
         (and the logits' dtype if ``logits_dtype`` is given) and returns the
         step's loss and collectives.
         """
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         tokens, labels = _make_data(step, dp_rank)
         step_fn = _chunked_loss_step if chunked else _full_loss_step
         loss = 0.0
@@ -552,7 +526,7 @@ class _CompositionTestMixin:
                         head or model.lm_head,
                         logits_dtype,
                     ).item()
-        self.assertEqual(_policies(model), policies, f"policies after step {step}")
+        self.assertEqual(fsdp_policies(model), policies, f"policies after step {step}")
         return loss, collectives
 
     def _assert_one_reduce_scatter_per_group(
@@ -561,8 +535,8 @@ class _CompositionTestMixin:
         # With the reduction deferred to the last microbatch, every group with
         # trainable parameters reduce-scatters exactly once per optimizer step
         expected = {
-            _group_name(g): 1
-            for g in _param_groups(model)
+            param_group_name(g): 1
+            for g in fsdp_param_groups(model)
             if any(p.sharded_param.requires_grad for p in g.fsdp_params)
         }
         self.assertGreater(len(expected), 0)
@@ -861,7 +835,7 @@ class TestFullyShardChunkedLossCompositions(
             with _Collectives(model).record() as collectives:
                 logits = model.lm_head(model(tokens[0]))
                 post_forward_order = [
-                    _group_name(g) for g in comm_ctx.post_forward_order
+                    param_group_name(g) for g in comm_ctx.post_forward_order
                 ]
                 (_loss(logits, labels[0]) * NUM_MICROBATCHES).backward()
             # Measured on torch 2.15.0 for every ``checkpointing`` value: each

@@ -43,6 +43,9 @@ sys.path.insert(
 )
 from fsdp_lifecycle_testing import (  # noqa: E402
     CollectiveCounter,
+    fsdp_param_groups,
+    fsdp_policies,
+    fsdp_states,
     GlooMultiProcessTestCase,
 )
 
@@ -113,25 +116,6 @@ def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _states(model: nn.Module) -> list[Any]:
-    states: dict[Any, None] = {}
-    for module in _fsdp_modules(model):
-        states.setdefault(module._get_fsdp_state(), None)
-    return list(states)
-
-
-def _groups(model: nn.Module) -> list[Any]:
-    return [g for state in _states(model) for g in state._fsdp_param_groups]
-
-
-def _policies(model: nn.Module) -> dict[str, FSDPPolicy]:
-    return {
-        name: module.get_fsdp_policy()
-        for name, module in model.named_modules()
-        if isinstance(module, FSDPModule)
-    }
-
-
 # Values compared with ``==``; everything else is compared by identity
 _PLAIN_TYPES = (bool, int, float, str, bytes, type(None), enum.Enum)
 _CONTAINER_TYPES = (list, tuple, dict, set, frozenset)
@@ -184,7 +168,7 @@ def _snapshot(model: nn.Module) -> dict[str, dict[str, tuple]]:
     every parameter group in ``model``.
     """
     snapshot: dict[str, dict[str, tuple]] = {}
-    for i, state in enumerate(_states(model)):
+    for i, state in enumerate(fsdp_states(model)):
         snapshot[f"state{i}"] = {k: _freeze(v) for k, v in vars(state).items()}
         snapshot[f"state{i}._state_ctx"] = {
             k: _freeze(v) for k, v in vars(state._state_ctx).items()
@@ -339,7 +323,7 @@ class _PolicyTestBase(GlooMultiProcessTestCase):
     def _round_trip(self, model: Model, recurse: bool, where: str) -> None:
         """Round trips every FSDP module, asserting nothing changes at all."""
         before = _snapshot(model)
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         with _count_mesh_and_group_creation() as created:
             if recurse:
                 model.set_fsdp_policy(model.get_fsdp_policy(), recurse=True)
@@ -349,7 +333,7 @@ class _PolicyTestBase(GlooMultiProcessTestCase):
                 self.assertEqual(applied, policies[""])
         self.assertEqual(created["mesh"], 0, where)
         self.assertEqual(created["group"], 0, where)
-        self.assertEqual(_policies(model), policies, where)
+        self.assertEqual(fsdp_policies(model), policies, where)
         self._assert_same_snapshot(before, _snapshot(model), where)
 
 
@@ -391,11 +375,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
             group_head=group_head,
         )
         expected_policy = FSDPPolicy(reshard_after_forward=reshard_after_forward)
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, expected_policy, name)
         root_groups = model._get_fsdp_state()._fsdp_param_groups
         # Before lazy init, automatic means resharding for every group
-        for group in _groups(model):
+        for group in fsdp_param_groups(model):
             expected = self._expected_raf(reshard_after_forward, is_root=False)
             if expected == "mesh":
                 self.assertIs(group.post_forward_mesh_info, group.mesh_info)
@@ -500,9 +484,9 @@ class TestFullyShardPolicy(_PolicyTestBase):
         scoped = FSDPPolicy(requires_gradient_sync=False, reshard_after_forward=False)
         with model.fsdp_policy(scoped, recurse=True) as applied:
             self.assertEqual(applied, scoped)
-            for name, policy in _policies(model).items():
+            for name, policy in fsdp_policies(model).items():
                 self.assertEqual(policy, scoped, name)
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, default, name)
         model.set_fsdp_policy(scoped, recurse=True)
         self.assertEqual(body.get_fsdp_policy(), scoped)
@@ -551,7 +535,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         _loss(model(torch.randn(4, DIM))).backward()  # lazy init
         state_ctx = model._get_fsdp_state()._state_ctx
         self.assertTrue(state_ctx.is_last_backward)
-        policies = _policies(model)
+        policies = fsdp_policies(model)
         root_policy = policies[""]
         self.assertEqual(root_policy, FSDPPolicy())
         self.assertEqual(policies["body.0"], block0_policy)
@@ -566,7 +550,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
             self.assertFalse(block0_group.reshard_after_backward)
             self.assertEqual(block1.get_fsdp_policy(), policies["body.1"])
             self.assertEqual(model.get_fsdp_policy(), root_policy)
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "keyword scope")
 
         # policy=: applied as a whole, then the keywords on top
@@ -585,13 +569,13 @@ class TestFullyShardPolicy(_PolicyTestBase):
             self.assertEqual(
                 applied, dataclasses.replace(root_policy, requires_gradient_sync=False)
             )
-            for name, policy in _policies(model).items():
+            for name, policy in fsdp_policies(model).items():
                 self.assertEqual(
                     policy,
                     dataclasses.replace(policies[name], requires_gradient_sync=False),
                     name,
                 )
-            for group in _groups(model):
+            for group in fsdp_param_groups(model):
                 self.assertFalse(group.reduce_grads)
             # Without recurse, only the root would have changed
         with model.fsdp_policy(requires_gradient_sync=False):
@@ -635,7 +619,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
                 block0.get_fsdp_policy(),
                 dataclasses.replace(block0_policy, requires_gradient_sync=False),
             )
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "nesting")
 
         # Restore on exception: every touched module, exception propagates
@@ -659,7 +643,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
                     block1.set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
                     raise _Boom
         self.assertTrue(state_ctx.is_last_backward)
-        self.assertEqual(_policies(model), policies)
+        self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "exception")
 
         # A scope around the first iteration (lazy init inside the body)
@@ -670,7 +654,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
             recurse=True, requires_gradient_sync=False, reshard_after_forward=True
         ):
             _loss(fresh(torch.randn(4, DIM))).backward()
-        for name, policy in _policies(fresh).items():
+        for name, policy in fsdp_policies(fresh).items():
             self.assertEqual(policy, FSDPPolicy(), name)
         for group in fresh._get_fsdp_state()._fsdp_param_groups:
             self.assertIsNone(group.post_forward_mesh_info)
@@ -681,7 +665,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         # The policy in force inside a scope is what FSDP does: no
         # reduce-scatter under no-sync, one per group afterwards
         counter = CollectiveCounter()
-        num_groups = len(_groups(model))
+        num_groups = len(fsdp_param_groups(model))
         inp = torch.randn(4, DIM)
         with model.fsdp_policy(recurse=True, requires_gradient_sync=False):
             with counter.count():
@@ -823,9 +807,9 @@ class TestFullyShardPolicy(_PolicyTestBase):
         with self.assertLogs("torch.distributed.fsdp.fully_shard", "WARNING") as logs:
             model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=1), recurse=True)
         self.assertIn("reshard_after_forward=1 (int)", "\n".join(logs.output))
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, FSDPPolicy(reshard_after_forward=False), name)
-        for group in _groups(model):
+        for group in fsdp_param_groups(model):
             self.assertIsNone(group.post_forward_mesh_info)
 
     def test_reshard_keeps_unreduced_gradients(self):
@@ -842,7 +826,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         _shard(model)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-        groups = _groups(model)
+        groups = fsdp_param_groups(model)
         counter = CollectiveCounter()
         for step in range(2):
             local_inputs = _local_inputs(self.rank, NUM_MICROBATCHES, seed=step)
@@ -895,7 +879,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         _shard(model)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-        num_groups = len(_groups(model))
+        num_groups = len(fsdp_param_groups(model))
         self.assertEqual(num_groups, 3)  # two blocks and the root
         num_microbatches = NUM_MICROBATCHES if accumulate else 1
         counter = CollectiveCounter()
@@ -939,7 +923,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
                     param.full_tensor(), ref_param, rtol=1e-5, atol=1e-5, msg=name
                 )
         # The API was never used and the policy is still the default
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, FSDPPolicy(), name)
 
 
@@ -1097,7 +1081,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 if lazy_init:
                     _loss(model(torch.randn(4, DIM))).backward()
                 before = _snapshot(model)
-                policies = _policies(model)
+                policies = fsdp_policies(model)
                 body_ran = []
                 with _count_mesh_and_group_creation() as created:
                     with self.assertRaisesRegex(ValueError, expected, msg=where):
@@ -1112,7 +1096,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 self.assertEqual(created["mesh"], 0, where)
                 self.assertEqual(created["group"], 0, where)
                 self.assertEqual(body_ran, [], where)
-                self.assertEqual(_policies(model), policies, where)
+                self.assertEqual(fsdp_policies(model), policies, where)
                 self._assert_same_snapshot(before, _snapshot(model), where)
             # Training runs on after the refusals
             _loss(model(torch.randn(4, DIM))).backward()
@@ -1250,9 +1234,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         mesh = init_device_mesh("cpu", (4,))
         torch.manual_seed(0)
         model = _shard(Model(), mesh=mesh, reshard_after_forward=4, shard_body=True)
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, FSDPPolicy(reshard_after_forward=True), name)
-        for group in _groups(model):
+        for group in fsdp_param_groups(model):
             self.assertIs(group.post_forward_mesh_info, group.mesh_info)
 
     def test_invalid_values_change_nothing(self):
@@ -1274,14 +1258,14 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             if lazy_init:
                 _loss(model(torch.randn(4, DIM))).backward()
             where = f"lazy_init={lazy_init}"
-            policies = _policies(model)
+            policies = fsdp_policies(model)
             snapshot = _snapshot(model)
             state_ctx = model._get_fsdp_state()._state_ctx
             is_last_backward = state_ctx.is_last_backward
             body_ran = []
 
             def check_unchanged(what: str) -> None:
-                self.assertEqual(_policies(model), policies, f"{where}: {what}")
+                self.assertEqual(fsdp_policies(model), policies, f"{where}: {what}")
                 self._assert_same_snapshot(
                     snapshot, _snapshot(model), f"{where}: {what}"
                 )
@@ -1526,7 +1510,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         torch.manual_seed(0)
         base = Model()
         model = _shard(copy.deepcopy(base), mesh=mesh)
-        groups = _groups(model)
+        groups = fsdp_param_groups(model)
         num_groups = len(groups)
         self.assertEqual(num_groups, 3)
 
@@ -1560,7 +1544,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         # The old setter still couples them
         model.set_requires_all_reduce(False)
         model.set_requires_gradient_sync(True)
-        for name, policy in _policies(model).items():
+        for name, policy in fsdp_policies(model).items():
             self.assertEqual(policy, FSDPPolicy(), name)
         for group in groups:
             self.assertTrue(group.all_reduce_grads)
@@ -1568,7 +1552,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         for group in groups:
             self.assertFalse(group.all_reduce_grads)
         model.set_requires_gradient_sync(True)
-        self.assertEqual(_policies(model), {k: FSDPPolicy() for k in _policies(model)})
+        self.assertEqual(
+            fsdp_policies(model), {k: FSDPPolicy() for k in fsdp_policies(model)}
+        )
 
         self.run_subtests(
             {"loop": ["no_all_reduce", "no_sync", "old_setters"]},
@@ -1580,7 +1566,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
     def _test_hsdp_accumulation(self, loop: str, base: Model, mesh: DeviceMesh):
         model = _shard(copy.deepcopy(base), mesh=mesh)
         ref_model = copy.deepcopy(base)
-        num_groups = len(_groups(model))
+        num_groups = len(fsdp_param_groups(model))
         counter = CollectiveCounter()
         num_steps = 2
         for step in range(num_steps):
@@ -1620,7 +1606,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 self.assertEqual(counter["reduce_scatter"], expected_rs, f"mb {mb}")
                 self.assertEqual(counter["all_reduce"], expected_ar, f"mb {mb}")
                 # The caller's policy is back after each microbatch
-                for name, policy in _policies(model).items():
+                for name, policy in fsdp_policies(model).items():
                     self.assertEqual(policy, FSDPPolicy(), f"{name} mb {mb}")
                 ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
                 _loss(ref_model(ref_inp)).backward()
