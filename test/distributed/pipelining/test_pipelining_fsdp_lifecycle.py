@@ -369,7 +369,9 @@ class PipelineBuild:
         self.ref_optim.zero_grad(set_to_none=True)
 
 
-class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
+class PipelineFSDPTestBase(GlooMultiProcessTestCase):
+    """World 4 (PP2 x DP2); checks the last stage's loss of a :class:`PipelineBuild`."""
+
     @property
     def world_size(self) -> int:
         return 4
@@ -378,6 +380,8 @@ class TestPipeliningFSDPLifecycle(GlooMultiProcessTestCase):
         if build.has_last:
             self.assertEqual(build.pp_loss(), build.last_ref_loss, atol=1e-5, rtol=1e-5)
 
+
+class TestPipeliningFSDPLifecycle(PipelineFSDPTestBase):
     def test_parity_and_one_reduce_scatter_per_group(self):
         """
         Per schedule: losses, gradients and parameters after the optimizer step

@@ -18,22 +18,14 @@ from torch.testing._internal.common_utils import run_tests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_lifecycle_testing import GlooMultiProcessTestCase  # noqa: E402
 from test_pipelining_fsdp_lifecycle import (  # noqa: E402
     pending_fsdp_state,
     PipelineBuild,
+    PipelineFSDPTestBase,
 )
 
 
-class TestPipeliningFSDPRetry(GlooMultiProcessTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    def _check_loss(self, build: PipelineBuild) -> None:
-        if build.has_last:
-            self.assertEqual(build.pp_loss(), build.last_ref_loss, atol=1e-5, rtol=1e-5)
-
+class TestPipeliningFSDPRetry(PipelineFSDPTestBase):
     def test_metadata_inference_failure_then_retry(self):
         """
         A step whose metadata inference raises leaves the caller's policy and
