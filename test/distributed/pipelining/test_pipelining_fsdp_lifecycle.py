@@ -14,6 +14,7 @@ import copy
 import datetime
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -661,6 +662,74 @@ class TestPipeliningFSDPDataParallelSteps(GlooMultiProcessTestCase):
                 self.assertEqual(model(x), ref_model(x), msg=msg)
 
 
+    def test_policy_change_between_accumulation_steps(self):
+        """
+        The caller changes the policy between a ``finalize_gradients=False``
+        step and the finalizing step: ``set_reshard_after_forward(False)`` on
+        one module, or the plain-FSDP accumulation idiom
+        ``set_requires_gradient_sync(True)`` before the last step. The
+        finalizing step reduces the accumulated gradients (equal to a
+        single-process reference of both steps), leaves no pending gradients
+        and restores the policy the caller set (the idiom keeps
+        ``reshard_after_backward=True``, as in 2.15.0); so does the next step.
+        """
+        self.run_subtests(
+            {"change": ["reshard_after_forward", "sync_idiom"]},
+            self._test_policy_change_between_accumulation_steps,
+        )
+
+    def _test_policy_change_between_accumulation_steps(self, change: str) -> None:
+        torch.manual_seed(0)
+        ref_model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+        model = copy.deepcopy(ref_model)
+        mesh = init_device_mesh("cpu", (1, self.world_size), mesh_dim_names=("pp", "dp"))
+        fully_shard(model[0], mesh=mesh["dp"])
+        fully_shard(model[2], mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        modules = (model, model[0], model[2])
+        policies = [m.get_fsdp_policy() for m in modules]
+        if change == "reshard_after_forward":
+            policies[1] = replace(policies[1], reshard_after_forward=False)
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.MSELoss())
+        params = dict(model.named_parameters())
+        gen = torch.Generator().manual_seed(1)
+        batches = [
+            (
+                torch.randn(2 * self.world_size, DIM, generator=gen),
+                torch.randn(2 * self.world_size, DIM, generator=gen),
+            )
+            for _ in range(3)
+        ]
+        for step, finalize in ((0, False), (1, True), (2, True)):
+            if step == 1 and change == "reshard_after_forward":
+                model[0].set_reshard_after_forward(False)
+            elif step == 1:
+                model.set_requires_gradient_sync(True)
+            x, y = batches[step]
+            schedule.step(
+                x.chunk(self.world_size)[self.rank],
+                target=y.chunk(self.world_size)[self.rank],
+                finalize_gradients=finalize,
+            )
+            if not finalize:
+                continue
+            msg = f"{change} step {step}"
+            ref_model.zero_grad(set_to_none=True)
+            # The finalizing step reduces the gradients of both steps
+            for ref_x, ref_y in batches[:2] if step == 1 else batches[step:]:
+                nn.functional.mse_loss(ref_model(ref_x), ref_y).backward()
+            self.assertFalse(model.has_pending_gradients(), msg=msg)
+            self.assertEqual([m.get_fsdp_policy() for m in modules], policies, msg=msg)
+            for (name, param), ref_param in zip(params.items(), ref_model.parameters()):
+                self.assertIsNotNone(param.grad, msg=f"{msg} {name}")
+                self.assertEqual(
+                    param.grad.full_tensor(), ref_param.grad, msg=f"{msg} {name}"
+                )
+            for param in params.values():
+                param.grad = None
+
+
 class Head(nn.Module):
     """A last-stage module whose ``lm_head`` only the loss function runs."""
 
@@ -685,7 +754,7 @@ class TestPipeliningFSDPMetadataInference(GlooMultiProcessTestCase):
     def world_size(self) -> int:
         return 2
 
-    def _build(self, ignored_head: bool = False):
+    def _build(self, ignored_head: bool = False, sharded_head_root: bool = True):
         torch.manual_seed(0)
         ref = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()), Head()])
         stage_mod = copy.deepcopy(ref[self.rank])
@@ -696,13 +765,17 @@ class TestPipeliningFSDPMetadataInference(GlooMultiProcessTestCase):
             fully_shard(stage_mod, mesh=mesh["dp"])
         else:
             fully_shard(stage_mod.lin, mesh=mesh["dp"])
-            fully_shard(
-                stage_mod,
-                mesh=mesh["dp"],
-                ignored_params=set(stage_mod.lm_head.parameters())
-                if ignored_head
-                else None,
-            )
+            if sharded_head_root:
+                fully_shard(
+                    stage_mod,
+                    mesh=mesh["dp"],
+                    ignored_params=set(stage_mod.lm_head.parameters())
+                    if ignored_head
+                    else None,
+                )
+            else:
+                # A plain stage module whose children are sharded
+                fully_shard(stage_mod.lm_head, mesh=mesh["dp"])
         stage = PipelineStage(stage_mod, self.rank, 2, torch.device("cpu"), group=pp_group)
         head = ref[1].lm_head if self.rank == 0 else stage_mod.lm_head
 
@@ -753,6 +826,25 @@ class TestPipeliningFSDPMetadataInference(GlooMultiProcessTestCase):
             if isinstance(grad, DTensor):
                 grad = grad.full_tensor()
             self.assertEqual(grad, ref_grad, msg=name)
+
+    def test_probe_gradients_cleared_without_fsdp_stage_root(self):
+        """
+        A last-stage module that is not an FSDP module, with sharded
+        children (one of them the head that only the loss runs): after the
+        first step (which runs metadata inference) every gradient equals the
+        step's own gradient, as in 2.15.0, and so after the next step.
+        """
+        ref, stage_mod, schedule = self._build(sharded_head_root=False)
+        params = dict(stage_mod.named_parameters())
+        for step in range(2):
+            self._step(schedule, step)
+            for name, ref_grad in self._ref_grads(ref, [step]).items():
+                grad = params[name].grad
+                if isinstance(grad, DTensor):
+                    grad = grad.full_tensor()
+                self.assertEqual(grad, ref_grad, msg=f"step {step} {name}")
+            for param in params.values():
+                param.grad = None
 
     def test_pending_gradients_raise_on_every_rank(self):
         """
