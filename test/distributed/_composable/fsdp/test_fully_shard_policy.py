@@ -320,6 +320,20 @@ class _PolicyTestBase(GlooMultiProcessTestCase):
                     f"{after[obj_name][field]}",
                 )
 
+    def _check_grads_and_step(
+        self, model, ref_model, optim, ref_optim, where: str = ""
+    ) -> None:
+        """Assert every gradient equals the reference's, then step and zero both."""
+        for (name, param), ref_param in zip(
+            model.named_parameters(), ref_model.parameters()
+        ):
+            msg = f"{where}: {name}" if where else name
+            self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=msg)
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+
     def _round_trip(self, model: Model, recurse: bool, where: str) -> None:
         """Round trips every FSDP module, asserting nothing changes at all."""
         before = _snapshot(model)
@@ -852,14 +866,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
             for mb in range(NUM_MICROBATCHES):
                 ref_inp = torch.cat([inputs[mb] for inputs in all_inputs])
                 _loss(ref_model(ref_inp)).backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref_model.parameters()
-            ):
-                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
-            optim.step()
-            ref_optim.step()
-            optim.zero_grad()
-            ref_optim.zero_grad()
+            self._check_grads_and_step(model, ref_model, optim, ref_optim)
         for param, ref_param in zip(model.parameters(), ref_model.parameters()):
             self.assertEqual(param.full_tensor(), ref_param)
 
@@ -1217,16 +1224,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             self.assertEqual(counter["reduce_scatter"], 3, where)
             ref_inp = torch.cat([inputs[step] for inputs in all_inputs])
             _loss(ref_model(ref_inp)).backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref_model.parameters()
-            ):
-                self.assertEqual(
-                    param.grad.full_tensor(), ref_param.grad, msg=f"{where}: {name}"
-                )
-            optim.step()
-            ref_optim.step()
-            optim.zero_grad()
-            ref_optim.zero_grad()
+            self._check_grads_and_step(model, ref_model, optim, ref_optim, where)
         for param, ref_param in zip(model.parameters(), ref_model.parameters()):
             self.assertEqual(param.full_tensor(), ref_param)
 
@@ -1484,16 +1482,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                     _loss(model(inp)).backward()
                 check_int_policy(f"step {step}, microbatch {mb}")
                 _loss(ref_model(inp)).backward()
-            for (name, param), ref_param in zip(
-                model.named_parameters(), ref_model.parameters()
-            ):
-                self.assertEqual(
-                    param.grad.full_tensor(), ref_param.grad, msg=f"{step}: {name}"
-                )
-            optim.step()
-            ref_optim.step()
-            optim.zero_grad()
-            ref_optim.zero_grad()
+            self._check_grads_and_step(model, ref_model, optim, ref_optim, str(step))
         for param, ref_param in zip(model.parameters(), ref_model.parameters()):
             self.assertEqual(param.full_tensor(), ref_param)
         self._round_trip(model, recurse=True, where="after training")
