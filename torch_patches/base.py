@@ -3,7 +3,8 @@
 A :class:`Base` is read from the ``[base]`` section of a series directory's
 ``manifest.ini`` (see :mod:`torch_patches.series`); nothing in the code names a
 torch release. The patched build of series revision ``N`` is
-``<base version>+<local label>.N`` (PEP 440 local label), e.g. ``X.Y.Z+fsdp.2``.
+``<base version>+<local label>.N`` (PEP 440 local label), e.g. ``X.Y.Z+fsdp.2``; a
+wheel keeps its base's own local label in front (``X.Y.Z+cu132.fsdp.2``).
 """
 
 from __future__ import annotations
@@ -33,18 +34,18 @@ class Base:
         """``X.Y.Z (<12 hex digits>)``: how messages name the base."""
         return f"{self.version} ({self.git_version[:12]})"
 
-    def patched_version(self, revision: int) -> str:
-        """The PEP 440 version of a patched build, e.g. ``X.Y.Z+fsdp.3``."""
-        return f"{self.version}+{self.local_label}.{revision}"
+    def patched_version(self, revision: int, base_label: str = "") -> str:
+        """The PEP 440 version of a patched build: ``X.Y.Z+fsdp.3``, or with the base
+        build's own local label ``base_label`` kept in front, ``X.Y.Z+cu132.fsdp.3``."""
+        return f"{self.version}+{base_label + '.' if base_label else ''}{self.local_label}.{revision}"
 
     def patched_revision(self, version: str) -> Optional[int]:
-        """``N`` if ``version`` is ``<base>+<label>.N``, else ``None``."""
-        label = local_label(version)
-        prefix = self.local_label + "."
-        if public_version(version) == self.version and label.startswith(prefix):
-            rest = label[len(prefix):]
-            if rest.isdigit():
-                return int(rest)
+        """``N`` if ``version`` is ``<base>+<label>.N`` or ``<base>+<base label>.<label>.N``,
+        else ``None``."""
+        parts = local_label(version).split(".")
+        if public_version(version) == self.version and len(parts) >= 2 and parts[-2] == self.local_label \
+                and parts[-1].isdigit():
+            return int(parts[-1])
         return None
 
     def is_packaged(self, path: str) -> bool:

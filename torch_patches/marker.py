@@ -68,7 +68,7 @@ class Marker:
     kind: str  # "installed", "source" or "wheel"
     base_version: str
     base_git_version: str
-    version: str  # the patched build's version, <base>+fsdp.N
+    version: str  # the patched build's version, <base>+fsdp.N (a wheel: <base>+cu132.fsdp.N)
     revision: int
     patches: Tuple[Tuple[str, str], ...]  # (name, sha256) in series order
     subjects: Mapping[str, str]
@@ -81,15 +81,16 @@ class Marker:
     @classmethod
     def build(cls, series: Series, pristine: Files, patched: Files, kind: str, *, keep_pristine: bool = True,
               mtimes: Optional[Mapping[str, int]] = None, retired: Optional[Mapping[str, str]] = None,
-              base_wheel: Optional[str] = None) -> "Marker":
-        """The marker for ``series`` applied to ``pristine`` giving ``patched``."""
+              base_wheel: Optional[str] = None, version: Optional[str] = None) -> "Marker":
+        """The marker for ``series`` applied to ``pristine`` giving ``patched`` (``version``:
+        the patched build's, default :attr:`Series.version`)."""
         mtimes = mtimes or {}
         files = {path: FileEntry(_sha(pristine.get(path)), _sha(patched.get(path)), keep_pristine,
                                  pristine.get(path) if keep_pristine else None,
                                  mtimes.get(path) if keep_pristine else None)
                  for path in sorted(set(pristine) | set(patched))}
         return cls(kind=kind, base_version=series.base.version, base_git_version=series.base.git_version,
-                   version=series.version, revision=series.revision,
+                   version=version or series.version, revision=series.revision,
                    patches=tuple((p.name, p.sha256) for p in series.patches),
                    subjects={p.name: p.subject for p in series.patches}, files=files,
                    retired=dict(retired or {}), base_wheel=base_wheel)

@@ -10,37 +10,62 @@ from pathlib import Path
 import pytest
 
 from tooling import API, BASE, DI, NEW_FILE, REVISION, TOUCHED_DIRS, empty_series_dir, run_cli
+from torch_patches.base import local_label
+from torch_patches.distinfo import read_version_py, set_metadata_version, set_version_py
 from torch_patches.wheel.fetch import pip_env, wheel_tags
 from torch_patches.record import record_hash
 from torch_patches.wheel.build import output_name, verify_wheel
 
 BASE_NAME = f"torch-{BASE.version}-py3-none-any.whl"
-PATCHED = BASE.patched_version(REVISION)
+#: The default base's torch.__version__ label (the PyPI wheel: cu132) stays in front of fsdp.N.
+PATCHED_CU = BASE.patched_version(REVISION, "cu132")
 
 
-@pytest.fixture(scope="session")
-def base_wheel(pristine_site, tmp_path_factory) -> Path:
-    """A small base wheel with the real touched files, dist-info and version.py."""
-    path = tmp_path_factory.mktemp("basewheel") / BASE_NAME
-    members = {"torch/__init__.py": b"", "torch/version.py": (pristine_site / "torch/version.py").read_bytes()}
+def write_base_wheel(pristine_site: Path, path: Path, label=None) -> Path:
+    """A small base wheel with the real touched files, dist-info and version.py.
+
+    ``label=None``: exactly the installed base's version.py and METADATA (PyPI's
+    ``X.Y.Z+cu132`` / ``X.Y.Z``); else both say ``X.Y.Z+label`` (``X.Y.Z`` for ``""``),
+    like a CPU build (``cpu``) from download.pytorch.org."""
+    di = DI if not label else f"torch-{BASE.version}+{label}.dist-info"
+    version_py = (pristine_site / "torch/version.py").read_bytes()
+    metadata = (pristine_site / DI / "METADATA").read_bytes()
+    if label is not None:
+        full = BASE.version + (f"+{label}" if label else "")
+        version_py, metadata = set_version_py(version_py, full), set_metadata_version(metadata, full)
+    members = {"torch/__init__.py": b"", "torch/version.py": version_py}
     for rel in TOUCHED_DIRS:
         for p in sorted((pristine_site / rel).rglob("*.py")):
             members[str(p.relative_to(pristine_site))] = p.read_bytes()
-    members[f"{DI}/METADATA"] = (pristine_site / DI / "METADATA").read_bytes()
-    members[f"{DI}/WHEEL"] = b"Wheel-Version: 1.0\r\nGenerator: test\r\nRoot-Is-Purelib: false\r\nTag: py3-none-any\r\n"
+    members[f"{di}/METADATA"] = metadata
+    members[f"{di}/WHEEL"] = b"Wheel-Version: 1.0\r\nGenerator: test\r\nRoot-Is-Purelib: false\r\nTag: py3-none-any\r\n"
     license_ = b"license text\n"
-    rows = {**members, f"{DI}/licenses/LICENSE": license_}
-    record = "".join(f"{n},{record_hash(d)},{len(d)}\r\n" for n, d in rows.items()) + f"{DI}/RECORD,,\r\n"
+    rows = {**members, f"{di}/licenses/LICENSE": license_}
+    record = "".join(f"{n},{record_hash(d)},{len(d)}\r\n" for n, d in rows.items()) + f"{di}/RECORD,,\r\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr(zipfile.ZipInfo("torch/"), b"")
-        zf.writestr(zipfile.ZipInfo(f"{DI}/"), b"")
+        zf.writestr(zipfile.ZipInfo(f"{di}/"), b"")
         for name, data in members.items():
             info = zipfile.ZipInfo(name, date_time=(2026, 1, 2, 3, 4, 6))
             info.external_attr = 0o644 << 16
             zf.writestr(info, data, zipfile.ZIP_STORED if name.endswith("__init__.py") else zipfile.ZIP_DEFLATED)
-        zf.writestr(f"{DI}/RECORD", record)
-        zf.writestr(f"{DI}/licenses/LICENSE", license_)  # after RECORD, like torch's wheel
+        zf.writestr(f"{di}/RECORD", record)
+        zf.writestr(f"{di}/licenses/LICENSE", license_)  # after RECORD, like torch's wheel
     return path
+
+
+@pytest.fixture(scope="session")
+def base_wheel(pristine_site, tmp_path_factory) -> Path:
+    """The small base wheel with the installed base's own version.py and METADATA."""
+    return write_base_wheel(pristine_site, tmp_path_factory.mktemp("basewheel") / BASE_NAME)
+
+
+def expected_version(base_wheel: Path, revision=REVISION) -> str:
+    """``<base>+<label of the base's torch.__version__>.fsdp.N``."""
+    with zipfile.ZipFile(base_wheel) as zf:
+        label = local_label(str(read_version_py(zf.read("torch/version.py"))["__version__"]))
+    return BASE.patched_version(revision, label)
 
 
 def members(path):
@@ -49,20 +74,21 @@ def members(path):
 
 
 def check_patched_wheel(out: Path, base_wheel: Path, expect_changed: set, revision=REVISION):
-    version = BASE.patched_version(revision)
+    version = expected_version(base_wheel, revision)
     assert out.name == f"torch-{version}-py3-none-any.whl"
     assert verify_wheel(out) == []
     new_di = f"torch-{version}.dist-info"
     old, new = members(base_wheel), members(out)
-    rename = {n: (new_di + n[len(DI):] if n.startswith(DI + "/") else n) for n in old}
+    di = next(n.split("/")[0] for n in old if n.endswith(".dist-info/METADATA"))
+    rename = {n: (new_di + n[len(di):] if n.startswith(di + "/") else n) for n in old}
     added = set(new) - set(rename.values())
     assert added == {f"{new_di}/TORCH_PATCHES.json"} | {p for p in expect_changed if p not in old}
     changed = {n for n in old if rename[n] in new and new[rename[n]] != old[n]}
-    assert changed == ({"torch/version.py", f"{DI}/METADATA", f"{DI}/RECORD"}
+    assert changed == ({"torch/version.py", f"{di}/METADATA", f"{di}/RECORD"}
                        | {p for p in expect_changed if p in old})
     assert f"__version__ = '{version}'".encode() in new["torch/version.py"]
-    local = f"{BASE.version}+cu132".encode()
-    assert new["torch/version.py"].replace(version.encode(), local) == old["torch/version.py"]
+    old_version = read_version_py(old["torch/version.py"])["__version__"]
+    assert new["torch/version.py"].replace(version.encode(), old_version.encode()) == old["torch/version.py"]
     assert f"\nVersion: {version}\n".encode() in new[f"{new_di}/METADATA"]
     with zipfile.ZipFile(out) as zf:  # unchanged members keep their compression and dates
         for info in zf.infolist():
@@ -76,12 +102,33 @@ def test_empty_series_wheel(base_wheel, tmp_path):
     series = empty_series_dir(tmp_path / "empty")
     proc = run_cli("wheel", "--base", base_wheel, "-o", tmp_path / "dist", "--series", series, "--verify", check=0)
     assert "done:" in proc.stdout and " s" in proc.stdout and "verify: ok" in proc.stdout
-    check_patched_wheel(tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl", base_wheel, set())
+    check_patched_wheel(tmp_path / "dist" / f"torch-{PATCHED_CU}-py3-none-any.whl", base_wheel, set())
+
+
+@pytest.mark.parametrize("label, version", [("cpu", f"{BASE.version}+cpu.fsdp.{REVISION}"),
+                                            ("", f"{BASE.version}+fsdp.{REVISION}")])
+def test_base_local_label_is_kept(pristine_site, one_patch, tmp_path, label, version):
+    """A CPU base (``+cpu`` everywhere) gives ``+cpu.fsdp.N``; a base without a label ``+fsdp.N``;
+    status recognises a torch installed from either."""
+    name = f"torch-{BASE.version}{'+' + label if label else ''}-py3-none-any.whl"
+    base = write_base_wheel(pristine_site, tmp_path / "base" / name, label)
+    proc = run_cli("wheel", "--base", base, "-o", tmp_path / "dist", "--series", one_patch, check=0)
+    out = tmp_path / "dist" / f"torch-{version}-py3-none-any.whl"
+    assert f"(torch {version})" in proc.stdout
+    check_patched_wheel(out, base, {API, "torch/distributed/fsdp/__init__.py", NEW_FILE})
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                    "--target", str(target), str(out)], env=pip_env(), check=True, capture_output=True)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    status = run_cli("status", "--python", wrapper, "--series", one_patch, check=0).stdout
+    assert f"patched wheel {version}" in status and "applied      0001-add-policy.patch" in status
 
 
 def test_one_patch_wheel_and_pip_install(base_wheel, one_patch, tmp_path):
     run_cli("wheel", "--base", base_wheel, "-o", tmp_path / "dist", "--series", one_patch, check=0)
-    out = tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl"
+    out = tmp_path / "dist" / f"torch-{PATCHED_CU}-py3-none-any.whl"
     new = check_patched_wheel(out, base_wheel, {API, "torch/distributed/fsdp/__init__.py", NEW_FILE})
     assert b"# patched-by-0001" in new[API]
     target = tmp_path / "target"
@@ -90,13 +137,13 @@ def test_one_patch_wheel_and_pip_install(base_wheel, one_patch, tmp_path):
                           env=pip_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (target / NEW_FILE).read_bytes() == b"X = 1\n"
-    assert (target / f"torch-{PATCHED}.dist-info/TORCH_PATCHES.json").is_file()
+    assert (target / f"torch-{PATCHED_CU}.dist-info/TORCH_PATCHES.json").is_file()
     # status recognises a torch installed from the patched wheel
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     status = run_cli("status", "--python", wrapper, "--series", one_patch, check=0).stdout
-    assert f"patched wheel {PATCHED}" in status and "applied      0001-add-policy.patch" in status
+    assert f"patched wheel {PATCHED_CU}" in status and "applied      0001-add-policy.patch" in status
     assert "already applied" in run_cli("apply", "--python", wrapper, "--series", one_patch, check=0).stdout
     out = run_cli("revert", "--python", wrapper, "--series", one_patch)
     assert out.returncode == 3 and "pip install --force-reinstall" in out.stderr
@@ -109,7 +156,7 @@ def test_wheel_without_base_uses_cache(base_wheel, one_patch, tmp_path):
     env = {"TORCH_PATCHES_CACHE": str(cache)}
     proc = run_cli("wheel", "-o", tmp_path / "dist", "--series", one_patch, check=0, env=env)
     assert f"base wheel (cached): {cache / BASE_NAME}" in proc.stdout
-    assert verify_wheel(tmp_path / "dist" / f"torch-{PATCHED}-py3-none-any.whl") == []
+    assert verify_wheel(tmp_path / "dist" / f"torch-{PATCHED_CU}-py3-none-any.whl") == []
 
 
 def test_wheel_refuses_other_base(base_wheel, tmp_path, one_patch):
@@ -132,7 +179,11 @@ def test_names_and_tags():
         "torch-1.2.3+fsdp.3-cp311-cp311-manylinux_2_28_x86_64.whl"
     assert wheel_tags("x-1-py2.py3-none-any.whl") == {"py2-none-any", "py3-none-any"}
     assert BASE.patched_revision(f"{BASE.version}+fsdp.12") == 12
+    assert BASE.patched_revision(f"{BASE.version}+cu132.fsdp.12") == 12
     assert BASE.patched_revision(f"{BASE.version}+cu132") is None
+    assert BASE.patched_revision(f"{BASE.version}+cu132.fsdp") is None
+    assert BASE.patched_version(3, "cu132") == f"{BASE.version}+cu132.fsdp.3"
+    assert BASE.patched_version(3) == f"{BASE.version}+fsdp.3"
 
 
 def _real_base_wheel():
@@ -148,6 +199,6 @@ def test_real_wheel(tmp_path):
     """Optional: the 540 MB base wheel, with the shipped series."""
     real = _real_base_wheel()
     proc = run_cli("wheel", "--base", real, "-o", tmp_path, check=0)
-    out = next(tmp_path.glob(f"torch-{BASE.version}+fsdp.*.whl"))
+    out = next(tmp_path.glob(f"torch-{BASE.version}+*fsdp.*.whl"))
     assert verify_wheel(out) == []
     print(proc.stdout)

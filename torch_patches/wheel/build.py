@@ -1,5 +1,11 @@
 """Build the patched wheel ``torch-<base>+fsdp.N-<tags>.whl`` from the base wheel, and verify one.
 
+The base's own local label stays in front of the series' (PEP 440): a base
+whose ``torch.__version__`` is ``X.Y.Z+cu132`` gives ``X.Y.Z+cu132.fsdp.N``, a
+CPU base ``X.Y.Z+cpu.fsdp.N``, a base without one ``X.Y.Z+fsdp.N``
+(:func:`patched_version`), in the file name, the dist-info directory,
+``METADATA`` and ``torch/version.py`` alike.
+
 Only the patched files, ``torch/version.py``, ``METADATA``, ``RECORD`` and the
 series marker are written anew; every other member is raw-copied (see
 :mod:`torch_patches.wheel.zipraw`), and the dist-info members are renamed in
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Dict, List, Optional
 
+from ..base import local_label, public_version
 from ..distinfo import metadata_headers, read_version_py, set_metadata_version, set_version_py, torch_dist_infos
 from ..errors import PatchApplyError, TorchPatchesError
 from ..marker import MARKER_NAME, Marker
@@ -61,6 +68,8 @@ class _BaseWheel:
     def __post_init__(self) -> None:
         self.by_name = {e.name: e for e in self.entries}
         self.dist_info = _dist_info(list(self.by_name))
+        self.version = metadata_headers(self.read(f"{self.dist_info}/METADATA") or b"").get("version", "")
+        self.version_py = read_version_py(self.read("torch/version.py") or b"")
 
     def read(self, name: str) -> Optional[bytes]:
         entry = self.by_name.get(name)
@@ -69,15 +78,22 @@ class _BaseWheel:
 
 def _check_base(wheel: _BaseWheel, series: Series) -> None:
     """Refuse (exit 3) a wheel that is not the series' pinned base."""
-    version = metadata_headers(wheel.read(f"{wheel.dist_info}/METADATA") or b"").get("version", "")
-    git_version = read_version_py(wheel.read("torch/version.py") or b"").get("git_version")
-    if version != series.base.version or git_version != series.base.git_version:
+    version, git_version = wheel.version, wheel.version_py.get("git_version")
+    if public_version(version) != series.base.version or git_version != series.base.git_version:
         raise TorchPatchesError(
             f"{wheel.path.name} is torch {version} (commit {str(git_version or '?')[:12]}), not the pinned "
             f"base {series.base.short}; nothing was written", 3)
 
 
-def _new_members(wheel: _BaseWheel, series: Series, progress: Progress) -> Dict[str, Optional[bytes]]:
+def patched_version(wheel: "_BaseWheel", series: Series) -> str:
+    """``<base>+<base's local label>.fsdp.N``: the label of ``torch.__version__`` (``cu132``),
+    else of ``METADATA`` (``cpu``), is kept."""
+    label = local_label(str(wheel.version_py.get("__version__", ""))) or local_label(wheel.version)
+    return series.base.patched_version(series.revision, label)
+
+
+def _new_members(wheel: _BaseWheel, series: Series, version: str,
+                 progress: Progress) -> Dict[str, Optional[bytes]]:
     """The members written anew: patched files, version.py, METADATA and the marker."""
     held = series.restricted(series.base.is_packaged)
     for path in (p for p in series.paths if not series.base.is_packaged(p)):
@@ -93,12 +109,13 @@ def _new_members(wheel: _BaseWheel, series: Series, progress: Progress) -> Dict[
         raise TorchPatchesError(f"{exc}; nothing was written")
     _say(progress, f"series: revision {series.revision}, {len(series.patches)} patch(es), "
                    f"{sum(patched[p] != pristine[p] for p in patched)} file(s) changed")
-    new_di = f"torch-{series.version}.dist-info"
-    marker = Marker.build(series, pristine, patched, kind="wheel", keep_pristine=False, base_wheel=wheel.path.name)
+    new_di = f"torch-{version}.dist-info"
+    marker = Marker.build(series, pristine, patched, kind="wheel", keep_pristine=False, base_wheel=wheel.path.name,
+                          version=version)
     return {**patched,
-            "torch/version.py": set_version_py(wheel.read("torch/version.py") or b"", series.version),
+            "torch/version.py": set_version_py(wheel.read("torch/version.py") or b"", version),
             f"{new_di}/METADATA": set_metadata_version(wheel.read(f"{wheel.dist_info}/METADATA") or b"",
-                                                       series.version),
+                                                       version),
             f"{new_di}/{MARKER_NAME}": marker.to_bytes()}
 
 
@@ -150,12 +167,13 @@ def build_wheel(base_wheel: os.PathLike, out_dir: os.PathLike, series: Series, p
         wheel = _BaseWheel(path, fh, read_entries(fh)[0])
         _check_base(wheel, series)
         _say(progress, f"base:   {path} ({path.stat().st_size / 1e6:.0f} MB, {len(wheel.entries)} members)")
-        content = _new_members(wheel, series, progress)
+        version = patched_version(wheel, series)
+        content = _new_members(wheel, series, version, progress)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        out_path = out_dir / output_name(path.name, series.version)
-        _say(progress, f"write:  {out_path}")
-        _write(wheel, out_path, f"torch-{series.version}.dist-info", content)
+        out_path = out_dir / output_name(path.name, version)
+        _say(progress, f"write:  {out_path} (torch {version})")
+        _write(wheel, out_path, f"torch-{version}.dist-info", content)
     _say(progress, f"done:   {out_path.name} ({out_path.stat().st_size / 1e6:.0f} MB) "
                    f"in {time.monotonic() - started:.2f} s")
     return out_path
