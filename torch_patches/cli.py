@@ -67,12 +67,28 @@ def cmd_check(args) -> int:
     return 0
 
 
-def cmd_wheel(args) -> int:
+def _pip_options(args):
+    from .wheel.fetch import PipOptions
+    return PipOptions(index_url=args.index_url, extra_index_urls=tuple(args.extra_index_url),
+                      find_links=tuple(args.find_links), platforms=tuple(args.platform),
+                      python_version=args.python_version, abis=tuple(args.abi), implementation=args.implementation)
+
+
+def _base_wheel(args, series, progress=_progress):
+    """``--base``, else the cached or downloaded base wheel for ``--python`` / the target."""
+    from .targets.installed import resolve_python
     from .wheel.fetch import obtain_base_wheel
+    python = resolve_python(args.python) if args.python else None
+    command = getattr(args, "as_command", None) or "python -m torch_patches " + " ".join(sys.argv[1:])
+    return obtain_base_wheel(python, series.base, progress=progress, options=_pip_options(args),
+                             command=command)
+
+
+def cmd_wheel(args) -> int:
     from .wheel.build import build_wheel, verify_wheel
     started = time.monotonic()
     series = _series(args)
-    base_wheel = args.base or obtain_base_wheel(args.python, series.base, progress=_progress)
+    base_wheel = args.base or _base_wheel(args, series)
     out = build_wheel(base_wheel, args.output, series, progress=_progress)
     if args.verify:
         _progress("verify: checking every RECORD hash ...")
@@ -81,6 +97,13 @@ def cmd_wheel(args) -> int:
             raise TorchPatchesError("the written wheel does not verify:\n  " + "\n  ".join(problems[:20]))
         _progress("verify: ok")
     print(f"wrote {out} in {time.monotonic() - started:.2f} s total")
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    """Print the path of the base wheel (cached, else downloaded); progress goes to stderr."""
+    series = _series(args)
+    print(_base_wheel(args, series, progress=lambda msg: print(msg, file=sys.stderr, flush=True)))
     return 0
 
 
@@ -137,12 +160,20 @@ def _pinned() -> str:
     return f"torch {manifest.base.short}"
 
 
+def _epilog() -> str:
+    from .wheel.fetch import cache_dir
+    return ("exit status: 0 success; 1 error (nothing was changed: the message says why and what to do); 2 bad usage; "
+            "3 refused: the target is not the pinned base torch (or was installed from a patched wheel). "
+            f"Base wheel cache: {cache_dir()} ($TORCH_PATCHES_CACHE, default ~/.cache/torch_patches); "
+            "`wheel` and `fetch` download into it with your pip configuration.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     pinned = _pinned()
     parser = argparse.ArgumentParser(
         prog="torch-patches",
         description=f"Apply the FSDP lifecycle patch series to {pinned}, revert it, "
-                    "or build a patched wheel.")
+                    "or build a patched wheel.", epilog=_epilog())
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--series", metavar="DIR", default=None,
@@ -170,12 +201,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[common], help="dry run of apply against a source tree")
     target_args(p, source_required=True)
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("wheel", parents=[common], help="write the patched wheel <base>+fsdp.N")
-    p.add_argument("--base", metavar="WHEEL", help=f"base wheel of {pinned} (default: download with pip)")
+    pip = argparse.ArgumentParser(add_help=False)
+    group = pip.add_argument_group(
+        "base download", "passed to `pip download --no-deps torch==<base>`, which otherwise uses your pip "
+        "configuration (pip.conf, PIP_* variables); a target option adds --only-binary=:all:")
+    group.add_argument("--python", metavar="PY", help="interpreter (or venv directory) whose wheel tags "
+                       "select the base wheel (default: this one)")
+    group.add_argument("--index-url", metavar="URL")
+    group.add_argument("--extra-index-url", metavar="URL", action="append", default=[])
+    group.add_argument("--find-links", metavar="DIR_OR_URL", action="append", default=[])
+    group.add_argument("--platform", metavar="PLAT", action="append", default=[],
+                       help="e.g. manylinux_2_28_x86_64 (repeatable)")
+    group.add_argument("--python-version", metavar="X.Y")
+    group.add_argument("--abi", metavar="ABI", action="append", default=[])
+    group.add_argument("--implementation", metavar="IMPL", help="cp, pp, ...")
+    p = sub.add_parser("wheel", parents=[common, pip], epilog=_epilog(),
+                       help="write the patched wheel <base>+<base label>.fsdp.N")
+    p.add_argument("--base", metavar="WHEEL", help=f"base wheel of {pinned} (default: the cached one, else "
+                   "download it with pip); e.g. a CPU or another CUDA build")
     p.add_argument("-o", "--output", metavar="DIR", default="dist", help="output directory (default: dist)")
-    p.add_argument("--python", metavar="PY", help="interpreter whose wheel tags select the base wheel")
     p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
     p.set_defaults(func=cmd_wheel)
+    p = sub.add_parser("fetch", parents=[common, pip], epilog=_epilog(),
+                       help="print the path of the base wheel, from the cache or downloaded into it")
+    p.add_argument("--as-command", help=argparse.SUPPRESS)  # how messages name the caller (run_tests.sh)
+    p.set_defaults(func=cmd_fetch)
     p = sub.add_parser("export", parents=[common],
                        help="write the series as pytorch/pytorch PRs (git format-patch + PR.md per tracker)")
     p.add_argument("-o", "--output", metavar="DIR", default="upstream",

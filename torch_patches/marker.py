@@ -149,8 +149,12 @@ class Marker:
         return self.identity() == series.identity()
 
     def describe(self) -> str:
-        names = ", ".join(n for n, _ in self.patches) or "empty series"
-        return f"series revision {self.revision} ({names})"
+        """``series revision N, K patches``: how messages name a recorded series (its patch
+        names are in ``status``)."""
+        n = len(self.patches)
+        if not n:
+            return f"series revision {self.revision} (empty series)"
+        return f"series revision {self.revision}, {n} patch" + ("" if n == 1 else "es")
 
     def changed_since(self, current: Files) -> List[str]:
         """Paths whose current content is not what the marker says was written."""

@@ -79,12 +79,18 @@ def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
         old = target.load_marker()
         if action == "apply" and old is not None and old.same_series(series):
             return
+        reinstall = (f"`pip install --force-reinstall --no-deps torch=={series.base.version}` (a plain "
+                     f"`pip install torch=={series.base.version}` counts the installed patched build as "
+                     f"{series.base.version})")
+        if action == "revert":
+            how = f"To get the unpatched base back, reinstall it: {reinstall}."
+        else:
+            how = (f"Build and install the wheel of series revision {series.revision} (`torch-patches wheel`, "
+                   f"then `pip install` the file it wrote), or reinstall the base with {reinstall} and apply.")
         raise TorchPatchesError(
-            f"torch was installed from a patched wheel ({getattr(target, 'dist_version', '?')}); "
-            f"cannot {action} in place. Reinstall the base with "
-            f"`pip install --force-reinstall --no-deps torch=={series.base.version}` "
-            f"or install the wheel for series revision {series.revision}. {NOTHING_CHANGED}",
-            REFUSED)
+            f"torch {getattr(target, 'dist_version', '?')} was installed from a patched wheel "
+            f"({old.describe() if old is not None else 'no marker'}); {action} does not change it in place. "
+            f"{how} {NOTHING_CHANGED}", REFUSED)
     problem = target.base_problem(series.base)
     if problem:
         raise TorchPatchesError(f"refusing to {action}: {problem}. {NOTHING_CHANGED}", REFUSED)
@@ -199,7 +205,8 @@ def revert(target: Target, series: Series) -> str:
                 "cannot revert, the files match neither the base nor the series:\n  "
                 + "\n  ".join(f"{n}: {why}" for n, why in state.errors.items()) + f"\n{NOTHING_CHANGED}")
         pristine = state.pristine or {}
-        what = ", ".join(n for n, s in state.per_patch.items() if s is APPLIED)
+        what = f"series revision {series.revision}, " + patch_word(
+            sum(s is APPLIED for s in state.per_patch.values()))
     problems = target.verify_pristine(pristine)
     if problems:
         raise TorchPatchesError("the restored files would not match the base:\n  " + "\n  ".join(problems)
@@ -245,7 +252,12 @@ def patch_states(target: Target, series: Series) -> PatchStates:
     state = analyze(held.without(retired), current)
     per = {p.name: (RETIRED if p.name in retired else State.NOT_PACKAGED if p.name in not_held
                     else state.per_patch.get(p.name, CONFLICTS)) for p in series.patches}
-    if old is not None:
+    changed = old.changed_since(target.read_all(old.files)) if old is not None else []
+    if old is not None and changed:
+        summary = (f"{old.describe()} is recorded, but {len(changed)} file(s) changed since it was applied: "
+                   f"{', '.join(changed)}. `apply` and `revert` refuse (and change nothing) until they are "
+                   f"restored: reinstall torch=={series.base.version} or check out the files")
+    elif old is not None:
         summary = _other_series(old, series, target)
     elif not series.patches:
         summary = "empty series"

@@ -34,15 +34,29 @@ print(json.dumps({"executable": sys.executable, "python": sys.version.split()[0]
 """
 
 
+def resolve_python(python: str) -> str:
+    """``python``, or for a virtual environment's directory its ``bin/python``
+    (``Scripts/python.exe`` on Windows)."""
+    path = Path(python)
+    if not path.is_dir():
+        return python
+    for candidate in (path / "bin" / "python", path / "Scripts" / "python.exe"):
+        if candidate.is_file():
+            return str(candidate)
+    raise TorchPatchesError(f"{python} is a directory without bin/python; pass the interpreter, "
+                            f"e.g. --python {path / 'bin' / 'python'}")
+
+
 def run_locate(python: str) -> dict:
     """Ask interpreter ``python`` where its torch is (no import of torch)."""
+    python = resolve_python(python)
     try:
         proc = subprocess.run([python, "-c", _LOCATE], capture_output=True, text=True,
                               cwd=tempfile.gettempdir(), timeout=120)
     except FileNotFoundError:
         raise TorchPatchesError(f"no such interpreter: {python}")
     except PermissionError:
-        raise TorchPatchesError(f"{python} is not executable")
+        raise TorchPatchesError(f"{python} is not executable; pass an interpreter (e.g. VENV/bin/python)")
     if proc.returncode != 0:
         raise TorchPatchesError(f"could not run {python}: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,5 +180,5 @@ class InstalledTorch(Target):
 
 def locate(python: Optional[str] = None) -> InstalledTorch:
     """The torch of interpreter ``python`` (default: this one)."""
-    python = python or sys.executable
+    python = resolve_python(python or sys.executable)
     return InstalledTorch(python, run_locate(python))

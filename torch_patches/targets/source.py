@@ -53,7 +53,7 @@ class SourceTree(Target):
 
     def base_problem(self, base: Base) -> Optional[str]:
         if not self.version:
-            return f"{self.root} has no version.txt; is it a PyTorch source tree?"
+            return f"{self.root} has no version.txt (is it a PyTorch source tree?)"
         if self.version != base.version:
             return (f"{self.root} is PyTorch {self.version}, not the pinned base {base.version}; "
                     f"check out v{base.version}")

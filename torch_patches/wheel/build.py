@@ -164,7 +164,13 @@ def build_wheel(base_wheel: os.PathLike, out_dir: os.PathLike, series: Series, p
     except OSError as exc:
         raise TorchPatchesError(f"cannot read base wheel {path}: {exc.strerror}")
     with fh:
-        wheel = _BaseWheel(path, fh, read_entries(fh)[0])
+        try:
+            wheel = _BaseWheel(path, fh, read_entries(fh)[0])
+        except TorchPatchesError as exc:
+            raise TorchPatchesError(
+                f"{path} is not a readable wheel ({exc}): truncated or not a wheel. Download it again "
+                f"(delete the file; without --base, `wheel` downloads the base into its cache), "
+                f"or pass another file with --base WHEEL")
         _check_base(wheel, series)
         _say(progress, f"base:   {path} ({path.stat().st_size / 1e6:.0f} MB, {len(wheel.entries)} members)")
         version = patched_version(wheel, series)
