@@ -162,18 +162,23 @@ def _pinned() -> str:
 
 def _epilog() -> str:
     from .wheel.fetch import cache_dir
-    return ("exit status: 0 success; 1 error (nothing was changed: the message says why and what to do); 2 bad usage; "
-            "3 refused: the target is not the pinned base torch (or was installed from a patched wheel). "
-            f"Base wheel cache: {cache_dir()} ($TORCH_PATCHES_CACHE, default ~/.cache/torch_patches); "
-            "`wheel` and `fetch` download into it with your pip configuration.")
+    return ("exit status:\n"
+            "  0  success\n"
+            "  1  error: nothing was changed; the message says why and what to do\n"
+            "  2  bad usage\n"
+            "  3  refused: the target is not the pinned base torch (or comes from a patched wheel)\n"
+            "base wheel cache (wheel, fetch, tools/run_tests.sh):\n"
+            f"  {cache_dir()}\n"
+            "  ($TORCH_PATCHES_CACHE, default ~/.cache/torch_patches); downloads use your pip configuration\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     pinned = _pinned()
     parser = argparse.ArgumentParser(
         prog="torch-patches",
-        description=f"Apply the FSDP lifecycle patch series to {pinned}, revert it, "
-                    "or build a patched wheel.", epilog=_epilog())
+        description=f"Apply the FSDP lifecycle patch series to {pinned}, revert it,\n"
+                    "or build a patched wheel.", epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--series", metavar="DIR", default=None,
@@ -216,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--abi", metavar="ABI", action="append", default=[])
     group.add_argument("--implementation", metavar="IMPL", help="cp, pp, ...")
     p = sub.add_parser("wheel", parents=[common, pip], epilog=_epilog(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="write the patched wheel <base>+<base label>.fsdp.N")
     p.add_argument("--base", metavar="WHEEL", help=f"base wheel of {pinned} (default: the cached one, else "
                    "download it with pip); e.g. a CPU or another CUDA build")
@@ -223,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
     p.set_defaults(func=cmd_wheel)
     p = sub.add_parser("fetch", parents=[common, pip], epilog=_epilog(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="print the path of the base wheel, from the cache or downloaded into it")
     p.add_argument("--as-command", help=argparse.SUPPRESS)  # how messages name the caller (run_tests.sh)
     p.set_defaults(func=cmd_fetch)

@@ -1,0 +1,90 @@
+"""What the CLI says when something is off: each message names the cause and the next step."""
+
+from test_wheel import base_wheel  # noqa: F401  (the small base wheel fixture)
+from tooling import BASE, REVISION, STATE, edit, run_cli, tree_digest
+
+
+def test_status_names_files_edited_after_apply(site, fake_python, two_patches):
+    run_cli("apply", "--python", fake_python, "--series", two_patches, check=0)
+    (site / STATE).write_bytes(edit((site / STATE).read_bytes(), "by hand"))
+    before = tree_digest(site)
+    status = run_cli("status", "--python", fake_python, "--series", two_patches, check=0).stdout
+    state = next(line for line in status.splitlines() if line.startswith("state:"))
+    assert STATE in state and "1 file(s) changed since it was applied" in state, status
+    assert "`apply` and `revert` refuse" in state and f"reinstall torch=={BASE.version}" in state
+    assert "replaces it" not in status
+    for command in ("apply", "revert"):
+        out = run_cli(command, "--python", fake_python, "--series", two_patches)
+        assert out.returncode == 1 and STATE in out.stderr and "Nothing was changed." in out.stderr
+        # the series is summarised, not listed patch by patch
+        assert "series revision" in out.stderr and ", 2 patches" in out.stderr
+        assert "0001-first.patch" not in out.stderr and len(out.stderr) < 400, out.stderr
+    assert tree_digest(site) == before
+
+
+def test_revert_summarises_the_series(site, fake_python, two_patches):
+    run_cli("apply", "--python", fake_python, "--series", two_patches, check=0)
+    out = run_cli("revert", "--python", fake_python, "--series", two_patches, check=0).stdout
+    assert out.strip() == f"reverted series revision {REVISION}, 2 patches"
+
+
+def test_wheel_install_revert_hint(base_wheel, one_patch, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    from torch_patches.wheel.fetch import pip_env
+    run_cli("wheel", "--base", base_wheel, "-o", tmp_path / "dist", "--series", one_patch, check=0)
+    out = next((tmp_path / "dist").glob("*.whl"))
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                    "--target", str(target), str(out)], env=pip_env(), check=True, capture_output=True)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    proc = run_cli("revert", "--python", wrapper, "--series", one_patch)
+    assert proc.returncode == 3
+    assert f"pip install --force-reinstall --no-deps torch=={BASE.version}" in proc.stderr
+    assert f"`pip install torch=={BASE.version}`" in proc.stderr  # why the plain command is not enough
+    assert "install the wheel for series revision" not in proc.stderr and "wheel of series revision" not in proc.stderr
+
+
+def test_bad_base_names_the_file(one_patch, tmp_path, base_wheel):  # noqa: F811
+    truncated = tmp_path / base_wheel.name
+    truncated.write_bytes(base_wheel.read_bytes()[:4096])
+    out = run_cli("wheel", "--base", truncated, "-o", tmp_path / "dist", "--series", one_patch)
+    assert out.returncode == 1 and str(truncated) in out.stderr
+    assert "truncated or not a wheel" in out.stderr and "Download it again" in out.stderr
+    text = tmp_path / "notes.whl"
+    text.write_text("not a zip\n")
+    out = run_cli("wheel", "--base", text, "-o", tmp_path / "dist", "--series", one_patch)
+    assert out.returncode == 1 and str(text) in out.stderr and "Download it again" in out.stderr
+
+
+def test_python_dir_uses_its_bin_python(fake_python, one_patch, tmp_path):
+    venv = tmp_path  # fake_python is tmp_path/bin/python
+    out = run_cli("status", "--python", venv, "--series", one_patch, check=0).stdout
+    assert "pinned base: yes" in out
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
+    out = run_cli("status", "--python", empty, "--series", one_patch)
+    assert out.returncode == 1 and f"{empty / 'bin' / 'python'}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_source_tree_without_version_txt(source_tree, one_patch):
+    (source_tree / "version.txt").unlink()
+    out = run_cli("apply", "--source", source_tree, "--series", one_patch)
+    assert out.returncode == 3 and "(is it a PyTorch source tree?). Nothing was changed." in out.stderr
+    assert "?." not in out.stderr.replace("?).", "")
+
+
+def test_help_lists_exit_codes_and_cache(tmp_path):
+    cache = tmp_path / "my-cache"
+    for argv in (["--help"], ["wheel", "--help"]):
+        out = " ".join(run_cli(*argv, check=0, env={"TORCH_PATCHES_CACHE": str(cache)}).stdout.split())
+        assert "exit status: 0 success 1 error" in out and "3 refused" in out, out
+        assert str(cache) in out and "$TORCH_PATCHES_CACHE" in out and "~/.cache/torch_patches" in out
+    wheel_help = run_cli("wheel", "--help", check=0).stdout
+    for option in ("--index-url", "--extra-index-url", "--find-links", "--platform", "--python-version",
+                   "--abi", "--implementation"):
+        assert option in wheel_help
+
