@@ -142,7 +142,8 @@ def cmd_manifest(args) -> int:
     manifest = read_manifest(directory)
     values = {"directory": str(directory), "base_version": manifest.base.version,
               "base_git_version": manifest.base.git_version, "revision": str(manifest.revision),
-              "version": manifest.base.patched_version(manifest.revision)}
+              "version": manifest.base.patched_version(manifest.revision),
+              "local_label": manifest.base.local_label}
     if args.get:
         print(values[args.get])
     else:
@@ -249,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "series applied) and record them in --results (default: DIR/test-results.json)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("manifest", parents=[common], help="print the series' base, revision and wheel version")
-    p.add_argument("--get", choices=("directory", "base_version", "base_git_version", "revision", "version"),
+    p.add_argument("--get", choices=("directory", "base_version", "base_git_version", "revision", "version",
+                                     "local_label"),
                    help="print only this value")
     p.set_defaults(func=cmd_manifest)
     return parser

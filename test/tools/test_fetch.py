@@ -139,3 +139,10 @@ def test_pip_options_and_cache_lookup(tmp_path):
         (tmp_path / n).write_bytes(b"")
     # a +cpu base is a base; a patched +cpu.fsdp.N wheel never is
     assert find_cached(sys.executable, tmp_path, BASE) == tmp_path / f"torch-{BASE.version}+cpu-py3-none-any.whl"
+
+
+def test_requirements_pin_the_manifest_base():
+    from tooling import REPO
+    pins = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert pins == [PIN]

@@ -21,18 +21,22 @@ BASE_NAME = f"torch-{BASE.version}-py3-none-any.whl"
 PATCHED_CU = BASE.patched_version(REVISION, "cu132")
 
 
-def write_base_wheel(pristine_site: Path, path: Path, label=None) -> Path:
+def write_base_wheel(pristine_site: Path, path: Path, label=None, requires=True) -> Path:
     """A small base wheel with the real touched files, dist-info and version.py.
 
     ``label=None``: exactly the installed base's version.py and METADATA (PyPI's
     ``X.Y.Z+cu132`` / ``X.Y.Z``); else both say ``X.Y.Z+label`` (``X.Y.Z`` for ``""``),
-    like a CPU build (``cpu``) from download.pytorch.org."""
+    like a CPU build (``cpu``) from download.pytorch.org. ``requires=False`` drops the
+    ``Requires-Dist`` lines (to pip install it with its dependencies, offline)."""
     di = DI if not label else f"torch-{BASE.version}+{label}.dist-info"
     version_py = (pristine_site / "torch/version.py").read_bytes()
     metadata = (pristine_site / DI / "METADATA").read_bytes()
     if label is not None:
         full = BASE.version + (f"+{label}" if label else "")
         version_py, metadata = set_version_py(version_py, full), set_metadata_version(metadata, full)
+    if not requires:
+        metadata = b"".join(line for line in metadata.splitlines(keepends=True)
+                            if not line.startswith(b"Requires-Dist:"))
     members = {"torch/__init__.py": b"", "torch/version.py": version_py}
     for rel in TOUCHED_DIRS:
         for p in sorted((pristine_site / rel).rglob("*.py")):
