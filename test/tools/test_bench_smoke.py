@@ -1,12 +1,12 @@
 """Smoke test of the benchmarks in tools/bench: each script runs at a tiny size,
-writes its result file, and render.py turns the files into the README block.
+writes its result file, and render.py turns the files into the block of docs/benchmarks.md.
 
 A benchmark is not a test: nothing here looks at timings or counts, only that
 every script runs, records where it ran, and that rendering is a pure function
 of the result files. Scripts that need torch run with the interpreter running
 pytest (the test venv has the patched torch); torchtitan comparisons are left
 out (``--no-torchtitan``) unless torchtitan is importable. The full run is
-``bash tools/bench/run_all.sh`` (README, "Benchmarks").
+``bash tools/bench/run_all.sh`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -135,14 +135,19 @@ def test_scale_arithmetic():
     assert 8.0e9 < total < 8.1e9
 
 
-def test_readme_block_matches_committed_results():
-    """The README's tables are the committed result files, rendered (no table by hand)."""
+def test_docs_block_matches_committed_results():
+    """The tables of docs/benchmarks.md are the committed result files, rendered (no table by hand),
+    and its images resolve from docs/."""
     run(str(BENCH / "render.py"), "--check", "--no-plots")
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert images and all((REPO / "docs" / image).resolve().is_file() for image in images), images
 
 
 def test_no_machine_specific_paths():
     offenders = []
-    for path in list((REPO / "tools").rglob("*")) + list((REPO / "torch_patches").rglob("*.py")) + [REPO / "README.md"]:
+    for path in (list((REPO / "tools").rglob("*")) + list((REPO / "torch_patches").rglob("*.py"))
+                 + list((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]):
         if path.is_file() and path.suffix in (".py", ".sh", ".md", ".txt", ".json"):
             text = path.read_text(errors="replace")
             offenders += [f"{path.relative_to(REPO)}: {p}" for p in ("/root/", "/home/", "/opt/wheels") if p in text]

@@ -107,9 +107,9 @@ def test_slugs_end_at_a_word_boundary():
 
 
 def test_readme_map_matches_the_tree():
-    """README "Where things live" names every module and sub-package, and nothing that is gone."""
-    text = (REPO / "README.md").read_text()
-    block = text.split("### Where things live", 1)[1].split("```", 2)[1]
+    """docs/development.md "Where things live" names every module and sub-package, and nothing that is gone."""
+    text = (REPO / "docs" / "development.md").read_text()
+    block = text.split("## Where things live", 1)[1].split("```", 2)[1]
     stack: list = []
     named = set()
     for line in block.splitlines():
@@ -123,12 +123,12 @@ def test_readme_map_matches_the_tree():
         path = "".join(stack) if indent else token
         named.add(path.rstrip("/"))
         if "NNNN" not in path:
-            assert (REPO / path).exists(), f"README map names {path}, which does not exist"
+            assert (REPO / path).exists(), f"the map names {path}, which does not exist"
     for path in PACKAGE.iterdir():
         if path.name in ("__init__.py", "__main__.py", "__pycache__"):
             continue
         assert any(n == f"torch_patches/{path.name}" or n.startswith(f"torch_patches/{path.name}/") for n in named), \
-            f"README map does not mention torch_patches/{path.name}"
+            f"the map does not mention torch_patches/{path.name}"
 
 
 def test_setup_packages_every_subpackage():
@@ -138,3 +138,24 @@ def test_setup_packages_every_subpackage():
     packages = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "packages"))
     found = sorted(str(p.parent.relative_to(REPO)).replace("/", ".") for p in PACKAGE.rglob("__init__.py"))
     assert sorted(packages) == found
+
+
+def test_readme_is_short_and_links_into_docs():
+    """README: at most ~150 lines, paste-able commands, imports for what its snippet uses,
+    links that resolve (docs/consumers.md is written by the consumer work)."""
+    import re
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    for command in ("python -m torch_patches wheel -o dist", "pip install dist/torch-2.15.0+*.whl",
+                    "bash tools/run_tests.sh", "bash tools/parity/run.sh"):
+        assert f"\n{command}\n" in text, command
+    assert "PARITY:" in text and "fsdp.N-*.whl" not in text
+    for block in text.split("```python")[1:]:
+        code = block.split("```", 1)[0]
+        if "F." in code:
+            assert "import torch.nn.functional as F" in code
+        assert ".chunk(" not in code or all("dim=1" in c for c in re.findall(r"\.chunk\([^)]*\)", code))
+    for link in re.findall(r"\]\(((?:docs|tools)/[^)#]+)\)", text):
+        assert (REPO / link).exists() or link == "docs/consumers.md", link
+    for doc in ("tooling", "api", "upstream", "development", "benchmarks", "changes"):
+        assert (REPO / "docs" / f"{doc}.md").is_file() and f"docs/{doc}.md" in text
