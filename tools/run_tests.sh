@@ -55,9 +55,11 @@ pip_torch() {
     cap="$(grep -o '(constraint) torch[^ ]*' "$log" | head -n 1 | cut -d' ' -f2 || true)"
     rm -f "$log"
     if [[ -n "$cap" ]]; then
-      files="$("$PY" -m pip config list 2>/dev/null | grep -E '\.constraint=' | cut -d= -f2- | tr '\n' ' ' || true)"
+      files="$("$PY" -m pip config list 2>/dev/null | grep -E '^[a-z]+\.constraint=' | cut -d= -f2- \
+        | tr -d "'\"" | sort -u | paste -sd, - | sed 's/,/, /g' || true)"
+      [[ -n "${PIP_CONSTRAINT:-}" ]] && files="${files:+$files, }$PIP_CONSTRAINT (PIP_CONSTRAINT)"
       printf '\nrun_tests.sh: error: pip'"'"'s configuration blocks torch==%s: the constraint %s%s.\n' \
-        "$BASE_VERSION" "$cap" "${files:+ from $files${PIP_CONSTRAINT:+and PIP_CONSTRAINT}}" >&2
+        "$BASE_VERSION" "$cap" "${files:+ from $files}" >&2
       printf 'Lift it for this command with PIP_CONSTRAINT=/dev/null (pip'"'"'s variable replaces the configured\nconstraint files): `PIP_CONSTRAINT=/dev/null %s`\n' "$SELF" >&2
     fi
     exit 1
