@@ -70,10 +70,15 @@ def test_index_url_and_find_links_pass_through(links, pipenv, one_patch, tmp_pat
     empty.mkdir()
     env = pipenv(f"index-url = {empty.as_uri()}\n" + caps)
     proc = _run("fetch", "--series", one_patch, "--index-url", (tmp_path / "simple").as_uri(), env=env, check=0)
-    assert proc.stdout.strip() == str(pipenv.cache / BASE_NAME)
-    (pipenv.cache / BASE_NAME).unlink()
+    from_index = proc.stdout.strip()
+    # cached apart from the default base: a build from another index never stands in for it
+    assert from_index.startswith(f"{pipenv.cache}/index-") and from_index.endswith("/" + BASE_NAME)
+    proc = _run("fetch", "--series", one_patch, "--index-url", (tmp_path / "simple").as_uri(), env=env, check=0)
+    assert proc.stdout.strip() == from_index and "(cached)" in proc.stderr
+    proc = _run("fetch", "--series", one_patch, env=env)
+    assert proc.returncode == 1 and "pip found no" in proc.stderr  # the configured (empty) index
     proc = _run("fetch", "--series", one_patch, "--find-links", links, env=env, check=0)
-    assert proc.stdout.strip() == str(pipenv.cache / BASE_NAME)
+    assert proc.stdout.strip().endswith("/" + BASE_NAME) and proc.stdout.strip() != from_index
 
 
 def test_index_without_the_pin(pipenv, one_patch, tmp_path):

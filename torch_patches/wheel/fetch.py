@@ -11,11 +11,13 @@ and the override (:data:`CONSTRAINT_OVERRIDE`, ``--index-url``/``--find-links``,
 
 The cache is ``$TORCH_PATCHES_CACHE``, else ``$XDG_CACHE_HOME/torch_patches``
 (``~/.cache/torch_patches``); ``wheel``, ``fetch`` and ``tools/run_tests.sh``
-share it.
+share it. A base fetched with explicit index options goes to a subdirectory
+of its own (:func:`download_dir`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -78,6 +80,13 @@ class PipOptions:
         """Whether the wheel is for another target than the interpreter (pip then needs
         ``--only-binary=:all:``)."""
         return bool(self.platforms or self.python_version or self.abis or self.implementation)
+
+    def index_args(self) -> List[str]:
+        """The options that choose where pip looks (``--index-url``...)."""
+        return self.args()[:self._index_len()]
+
+    def _index_len(self) -> int:
+        return 2 * (bool(self.index_url) + len(self.extra_index_urls) + len(self.find_links))
 
     def args(self) -> List[str]:
         out: List[str] = []
@@ -149,9 +158,20 @@ def find_cached(python: str, directory: Path, base: Base, options: PipOptions = 
     best = None
     for path in candidates:
         scores = [rank[t] for t in wheel_tags(path.name) if t in rank]
-        if scores and (best is None or min(scores) < best[0]):
-            best = (min(scores), path)
+        key = (min(scores), "+" in path.name.split("-")[1]) if scores else None  # ties: the unlabelled base
+        if key is not None and (best is None or key < best[0]):
+            best = (key, path)
     return best[1] if best else None
+
+
+def download_dir(options: PipOptions) -> Path:
+    """Where the base for ``options`` is cached: :func:`cache_dir`, or for explicit index
+    options (``--index-url``...) a subdirectory of its own, so that a CPU build fetched from
+    another index never stands in for the default base (or the other way round)."""
+    index = options.index_args()
+    if not index:
+        return cache_dir()
+    return cache_dir() / ("index-" + hashlib.sha256("\0".join(index).encode()).hexdigest()[:12])
 
 
 # -- why pip could not get it ----------------------------------------------------------------------
@@ -218,7 +238,7 @@ def obtain_base_wheel(python: Optional[str], base: Base, progress: Optional[Call
     """The cached base wheel for ``python`` (or the target in ``options``), downloading it with pip
     if needed. ``command`` is how the message of a blocked download repeats the user's command."""
     python = python or sys.executable
-    directory = cache_dir()
+    directory = download_dir(options)
     directory.mkdir(parents=True, exist_ok=True)
     cached = find_cached(python, directory, base, options)
     if cached:
