@@ -197,15 +197,15 @@ def _configured(python: str, key: str) -> List[str]:
 def diagnose(output: str, python: str, base: Base, options: PipOptions, command: str = "") -> str:
     """The message for a failed base download: the cause named in pip's ``output``, and the override."""
     pin = f"torch=={base.version}"
-    again = f" (`{CONSTRAINT_OVERRIDE} {command}`)" if command else ""
+    again = f": `{CONSTRAINT_OVERRIDE} {command}`" if command else f" with {CONSTRAINT_OVERRIDE}"
     fallback = "or download the wheel yourself and pass it with --base WHEEL"
     caps = re.findall(r"\(constraint\) (torch\S*)", output)
     if caps:
         files = _configured(python, "constraint")
         where = f" from {', '.join(files)}" if files else ""
         return (f"pip's configuration blocks {pin}: the constraint {', '.join(dict.fromkeys(caps))}{where}. "
-                f"Lift it for this command with {CONSTRAINT_OVERRIDE}{again} (pip's variable replaces "
-                f"the configured constraint files), {fallback}")
+                f"Lift it for this command{again} (pip's variable replaces the configured constraint "
+                f"files), {fallback}")
     if re.search(r"No matching distribution found|Could not find a version that satisfies", output):
         found = re.search(r"\(from versions: ([^)]*)\)", output)
         have = f" (it offers: {found.group(1)})" if found and found.group(1).strip() not in ("", "none") else ""
