@@ -116,3 +116,11 @@ def test_scenarios_use_only_2_15_0_apis():
         text = path.read_text()
         for name in NEW_APIS:
             assert not re.search(rf"\b\w*{name}\w*\b", text), f"{path.name} uses {name}"
+
+
+def test_gloo_transport_failures_compare_equal():
+    a = obs(("exception", "RuntimeError", "[/x/gloo/transport/tcp/pair.cc:561] Connection closed by peer"))
+    b = obs(("exception", "RuntimeError", "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting ?ms "
+                                          "for recv operation to complete"))
+    assert runner.compare(a, b) is None
+    assert runner.compare(a, obs(("exception", "RuntimeError", "other"))) is not None

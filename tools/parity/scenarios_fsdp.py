@@ -103,7 +103,7 @@ def fsdp_net(ctx, *, head="separate", rafs=True, n=3, mesh=None, mp=None, offloa
     return model
 
 
-def train(ctx, model, optim, steps=3, start=0, forward=None, between=None, loss_fn=lm_loss):
+def train(ctx, model, optim, steps=2, start=0, forward=None, between=None, loss_fn=lm_loss):
     forward = forward or model
     for step in range(start, start + steps):
         tokens, labels = batch(ctx, step)
@@ -140,7 +140,6 @@ register("fsdp.per_block.world4", functools.partial(_basic, head="separate", raf
 _MP = {
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
     "bf16_reduce_fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "bf16_reduce_bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
     "bf16_out_fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32),
     "bf16_no_cast_inputs": MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False),
 }
@@ -230,7 +229,6 @@ def _prefetch(ctx, fwd=True, bwd=True, depth=1, rafs=True):
 register("fsdp.prefetch.forward", functools.partial(_prefetch, bwd=False))
 register("fsdp.prefetch.backward", functools.partial(_prefetch, fwd=False))
 register("fsdp.prefetch.both_depth2", functools.partial(_prefetch, depth=2))
-register("fsdp.prefetch.both.rafs_False", functools.partial(_prefetch, rafs=False))
 register("fsdp.prefetch.empty_lists", functools.partial(_prefetch, depth=0))
 
 
@@ -339,45 +337,47 @@ def train_dense(ctx, model, optim, steps, start=0, finish=True):
             ctx.optim_step(model, optim)
 
 
-def _setter(ctx, setter, value, recurse, target, hsdp=False):
+def _setter(ctx, setter, value, recurse_values, target, hsdp=False):
+    """The setter with ``value`` (each ``recurse`` in turn), two backwards under it, then the default."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "s")) if hsdp else None
     model = seq_fsdp(ctx, mesh)
     optim = sgd(model)
     train_dense(ctx, model, optim, 1)
     module = model if target == "root" else model.body[1]
-    kwargs = {} if recurse is None else {"recurse": recurse}
-    ctx.phase(f"{setter}({value!r}, {kwargs})")
-    ctx.expect(getattr(module, setter), value, **kwargs)
-    ctx.public_state(model)
-    # Two backwards under the setting (accumulating when it stops a reduction)
-    train_dense(ctx, model, optim, 2, start=1, finish=False)
-    ctx.grads(model)
-    ctx.phase("back to the defaults")
-    ctx.expect(getattr(model, setter), DEFAULTS[setter], **({} if setter in PLAIN_SETTERS else {"recurse": True}))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    train_dense(ctx, model, optim, 1, start=3)
+    step = 1
+    for recurse in recurse_values:
+        kwargs = {} if recurse is None else {"recurse": recurse}
+        ctx.phase(f"{setter}({value!r}, {kwargs})")
+        ctx.expect(getattr(module, setter), value, **kwargs)
+        ctx.public_state(model)
+        # Two backwards under the setting (accumulating when it stops a reduction)
+        train_dense(ctx, model, optim, 2, start=step, finish=False)
+        step += 2
+        ctx.grads(model)
+        ctx.phase("back to the default")
+        ctx.expect(getattr(model, setter), DEFAULTS[setter], **({} if setter in PLAIN_SETTERS else {"recurse": True}))
+        for sub in model.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        train_dense(ctx, model, optim, 1, start=step)
+        step += 1
 
 
 for _setter_name in RECURSE_SETTERS:
     for _vname, _v in VALUES.items():
-        for _recurse in (True, False):
-            register(f"fsdp.setter.{_setter_name}.{_vname}.recurse_{_recurse}",
-                     functools.partial(_setter, setter=_setter_name, value=_v, recurse=_recurse, target="root"))
+        register(f"fsdp.setter.{_setter_name}.{_vname}",
+                 functools.partial(_setter, setter=_setter_name, value=_v, recurse_values=(False, True),
+                                   target="root"))
     register(f"fsdp.setter.{_setter_name}.False.body1",
-             functools.partial(_setter, setter=_setter_name, value=False, recurse=None, target="body1"))
+             functools.partial(_setter, setter=_setter_name, value=False, recurse_values=(None,), target="body1"))
 for _setter_name in PLAIN_SETTERS:
     for _vname, _v in VALUES.items():
         register(f"fsdp.setter.{_setter_name}.{_vname}",
-                 functools.partial(_setter, setter=_setter_name, value=_v, recurse=None, target="root"))
-for _vname in ("False", "np_False", "int0"):
-    register(f"fsdp.setter.hsdp.set_requires_all_reduce.{_vname}",
-             functools.partial(_setter, setter="set_requires_all_reduce", value=VALUES[_vname], recurse=True,
+                 functools.partial(_setter, setter=_setter_name, value=_v, recurse_values=(None,), target="root"))
+for _setter_name in ("set_requires_all_reduce", "set_requires_gradient_sync"):
+    register(f"fsdp.setter.hsdp.{_setter_name}.np_False",
+             functools.partial(_setter, setter=_setter_name, value=VALUES["np_False"], recurse_values=(True,),
                                target="root", hsdp=True), world=4)
-    register(f"fsdp.setter.hsdp.set_requires_gradient_sync.{_vname}",
-             functools.partial(_setter, setter="set_requires_gradient_sync", value=VALUES[_vname],
-                               recurse=True, target="root", hsdp=True), world=4)
 
 
 def _divide_factor(ctx, method, factor):

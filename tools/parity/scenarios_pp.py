@@ -236,7 +236,7 @@ for _sched in CORE:
     for _kind in ("plain", "fsdp"):
         register(f"pp.{_sched}.{_kind}.loss_own_backward",
                  functools.partial(_basic, sched=_sched, kind=_kind, loss="own_backward"), world=_world(_kind))
-for _sched in ("gpipe", "1f1b", "interleaved_1f1b"):
+for _sched in ("1f1b",):
     for _kind in KINDS:
         register(f"pp.{_sched}.{_kind}.scale_grads_False",
                  functools.partial(_basic, sched=_sched, kind=_kind, scale_grads=False), world=_world(_kind))
@@ -252,10 +252,9 @@ def _no_finalize(ctx, sched, kind, eval_between=False):
         p.optim_step()
 
 
-for _sched in CORE:
-    for _kind in ("plain", "fsdp", "ddp"):
-        register(f"pp.{_sched}.{_kind}.no_finalize_accumulation",
-                 functools.partial(_no_finalize, sched=_sched, kind=_kind), world=_world(_kind))
+for _sched, _kind in [(s, k) for s in CORE for k in ("plain", "fsdp")] + [("1f1b", "ddp")]:
+    register(f"pp.{_sched}.{_kind}.no_finalize_accumulation",
+             functools.partial(_no_finalize, sched=_sched, kind=_kind), world=_world(_kind))
 for _sched in NON_V_CORE:
     for _kind in ("plain", "fsdp"):
         register(f"pp.{_sched}.{_kind}.no_finalize_eval_step",
@@ -306,7 +305,7 @@ def _return_outputs(ctx, sched, kind):
     p.optim_step()
 
 
-for _sched in ("gpipe", "1f1b", "interleaved_1f1b"):
+for _sched in ("1f1b",):
     for _kind in ("plain", "fsdp"):
         register(f"pp.{_sched}.{_kind}.return_outputs",
                  functools.partial(_return_outputs, sched=_sched, kind=_kind), world=_world(_kind))
@@ -371,7 +370,7 @@ def _probe_failure_retry(ctx, sched, kind):
 
 
 # On 2.15.0 the retry waits for peers that wait elsewhere: short timeouts
-for _sched in ("gpipe", "1f1b"):
+for _sched in ("1f1b",):
     for _kind in ("plain", "fsdp"):
         register(f"pp.{_sched}.{_kind}.first_forward_error_retry",
                  functools.partial(_probe_failure_retry, sched=_sched, kind=_kind), world=_world(_kind),
@@ -408,7 +407,7 @@ def _single_stage_error_retry(ctx, sched, kind, where):
     p.optim_step()
 
 
-for _sched in ("gpipe", "1f1b"):
+for _sched in ("1f1b",):
     for _kind in KINDS:
         for _where in ("forward", "loss"):
             register(f"pp1.{_sched}.{_kind}.{_where}_error_retry",

@@ -336,6 +336,7 @@ def main(argv=None) -> int:
                         help="run scenarios whose name contains any of these (repeatable)")
     parser.add_argument("--out")
     parser.add_argument("--list", action="store_true", help="print the scenario names and exit")
+    parser.add_argument("--progress", type=int, default=0, help="report every N scenarios on stderr")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     preload()
@@ -352,6 +353,9 @@ def main(argv=None) -> int:
             t0 = time.monotonic()
             results[sc.name] = run_scenario(sc, workdir, index)
             results[sc.name]["seconds"] = round(time.monotonic() - t0, 3)
+            if args.progress and (index + 1) % args.progress == 0:
+                print(f"    [{torch.__version__}] {index + 1}/{len(scenarios)} scenarios, "
+                      f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
             log = os.path.join(workdir, f"{index:04d}.log")
             if os.path.exists(log):
                 with open(log, errors="replace") as f:
