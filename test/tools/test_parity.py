@@ -1,0 +1,126 @@
+"""The parity runner's comparison logic (tools/parity/runner.py), on recorded
+observations: no torch process is started, so one torch (or none) suffices."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+PARITY = Path(__file__).resolve().parents[2] / "tools" / "parity"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"parity_{name}", PARITY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _load("runner")
+
+
+def obs(*events, outcome="ok", ranks=2):
+    return {"outcome": "done", "ranks": [{"outcome": outcome, "events": [list(e) for e in events]}
+                                         for _ in range(ranks)]}
+
+
+AG = ("coll", "all_gather_single", 2, [[32, "float32"], [16, "float32"]])
+RS = ("coll", "reduce_scatter_single", 2, [[16, "float32"], [32, "float32"]])
+
+
+def run(results_a, results_b, results_c=None, entries=()):
+    a = {"results": results_a}
+    c = {"results": results_c if results_c is not None else results_a}
+    return runner.evaluate([a, c], {"results": results_b}, list(entries))
+
+
+def test_identical_observations_are_same():
+    o = obs(AG, ("grads", {"w": "x"}), RS)
+    assert runner.compare(o, json.loads(json.dumps(o))) is None
+    lines, summary, failed = run({"s": o}, {"s": o})
+    assert lines == ["SAME s", "PARITY: 1/1 scenarios identical"] and not failed
+    assert summary["s"]["status"] == "SAME"
+
+
+def test_extra_collective_is_a_diff_with_counts():
+    a = obs(("phase", "forward 1"), AG, RS)
+    b = obs(("phase", "forward 1"), AG, AG, RS)
+    text = runner.compare(a, b)
+    assert text.startswith("rank 0 event 2 (after 'forward 1'): ")
+    assert "all_gather_single 1 vs 2" in text and "reduce_scatter_single" not in text.split("[")[-1]
+    lines, _, failed = run({"s": a}, {"s": b})
+    assert lines[0].startswith("DIFF s: rank 0 event 2") and lines[-1] == "PARITY: 0/1 scenarios identical"
+    assert failed
+
+
+def test_changed_gradient_names_the_parameter():
+    a = obs(("grads", {"w": "h1", "b": "h2"}))
+    b = obs(("grads", {"w": "h1", "b": "h3"}))
+    assert "grads[b]: h2 vs h3" in runner.compare(a, b)
+
+
+def test_exception_and_missing_events_and_outcomes():
+    a = obs(("ok", "step"), ("params", {}))
+    b = obs(("exception", "ValueError", "different policies"))
+    assert "ValueError" in runner.compare(a, b)
+    assert "vs null" in runner.compare(a, obs(("ok", "step")))
+    assert runner.compare(obs(), obs(outcome="error")) == "rank 0 outcome ok vs error"
+    assert runner.compare({"outcome": "TIMEOUT", "ranks": []}, obs()) == "outcome TIMEOUT vs done"
+    assert runner.compare(obs(ranks=2), obs(ranks=4)) == "2 vs 4 ranks"
+    assert runner.compare(obs(), None).startswith("missing")
+
+
+def test_nondeterministic_pristine_fails_even_when_patched_matches():
+    a, b = obs(("tensor", "loss", "h1")), obs(("tensor", "loss", "h2"))
+    lines, summary, failed = run({"s": a}, {"s": a}, {"s": b})
+    assert lines[0].startswith("NONDET s: ") and failed
+    assert lines[-1] == "PARITY: 0/1 scenarios identical"
+
+
+def test_allowlisted_diff_passes_and_stale_entry_fails():
+    a, b = obs(AG, AG), obs(AG)
+    entry = {"scenario": "fsdp.eval.*", "reason": "one stale prefetch fewer", "patch": "0010-x.patch"}
+    lines, _, failed = run({"fsdp.eval.no_grad": a, "other": a}, {"fsdp.eval.no_grad": b, "other": a},
+                           entries=[entry])
+    assert lines[0].startswith("DIFF fsdp.eval.no_grad: ") and "allowlisted: 0010-x.patch" in lines[0]
+    assert lines[1] == "SAME other" and lines[-1] == "PARITY: 1/2 scenarios identical" and not failed
+    lines, _, failed = run({"fsdp.eval.no_grad": a}, {"fsdp.eval.no_grad": a}, entries=[entry])
+    assert lines[0].startswith("STALE fsdp.eval.no_grad") and failed
+
+
+def test_scenario_only_on_one_side_is_a_diff():
+    lines, _, failed = run({"s": obs()}, {"s": obs(), "new": obs()})
+    assert lines[1].startswith("DIFF new: missing") and failed
+
+
+def test_allowlist_entries_need_scenario_reason_and_patch(tmp_path):
+    path = tmp_path / "allowlist.json"
+    path.write_text(json.dumps({"entries": [{"scenario": "a", "reason": "", "patch": "p"}]}))
+    with pytest.raises(ValueError, match="lacks reason"):
+        runner.load_allowlist(str(path))
+    assert runner.load_allowlist(str(tmp_path / "none.json")) == []
+    for entry in runner.load_allowlist(str(PARITY / "allowlist.json")):  # the shipped one parses
+        assert entry["scenario"]
+
+
+#: Names of the APIs the series adds: scenarios must run only what 2.15.0 has.
+NEW_APIS = ["FSDPPolicy", "fsdp_policy", "partial_backward", "finish_forward", "has_pending_gradients"]
+
+
+def test_scenarios_use_only_2_15_0_apis():
+    sources = sorted(PARITY.glob("scenarios_*.py"))
+    assert len(sources) >= 2
+    for path in sources:
+        text = path.read_text()
+        for name in NEW_APIS:
+            assert not re.search(rf"\b\w*{name}\w*\b", text), f"{path.name} uses {name}"
+
+
+def test_gloo_transport_failures_compare_equal():
+    a = obs(("exception", "RuntimeError", "[/x/gloo/transport/tcp/pair.cc:561] Connection closed by peer"))
+    b = obs(("exception", "RuntimeError", "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting ?ms "
+                                          "for recv operation to complete"))
+    assert runner.compare(a, b) is None
+    assert runner.compare(a, obs(("exception", "RuntimeError", "other"))) is not None
