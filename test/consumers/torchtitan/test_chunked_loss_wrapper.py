@@ -202,6 +202,9 @@ class ChunkedLossTestMixin:
     def _dp_mesh(self) -> DeviceMesh:
         raise NotImplementedError
 
+    replicas = 0  # HSDP: 1 (one replica all-reduce per reduce-scatter)
+    all_reduces: list[int] = []
+
     def _dp_rank_and_size(self) -> tuple[int, int]:
         return self.rank, self.world_size
 
@@ -260,6 +263,7 @@ class ChunkedLossTestMixin:
             finally:
                 b.wrapper.loss_fn = inner
             rs_per_microbatch.append(counter["reduce_scatter"])
+            self.all_reduces.append(counter["all_reduce"])
             total += loss.detach()
         return total, rs_per_microbatch
 
@@ -291,7 +295,10 @@ class ChunkedLossTestMixin:
             self.assertEqual(set(policies.values()), {policy})
         counter = CollectiveCounter()
         for step in range(NUM_STEPS):
+            self.all_reduces = []
             loss, rs = self._train_step(b, step, sync=sync, counter=counter)
+            # HSDP all-reduces each reduce-scatter's output across replicas
+            self.assertEqual(self.all_reduces, [n * self.replicas for n in rs])
             ref_loss = self._ref_step(b, step)
             self.assertEqual(fsdp_policies(b.model), policies, msg=f"step {step}")
             self.assertEqual(self._dp_mean(loss), ref_loss, **TOL)
@@ -430,6 +437,8 @@ class TestChunkedLossWrapperFSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
 
 class TestChunkedLossWrapperHSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase):
     """HSDP 2x2 (replicate 2, shard 2) on world 4."""
+
+    replicas = 1
 
     @property
     def world_size(self) -> int:
