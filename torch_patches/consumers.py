@@ -331,14 +331,25 @@ def _collective_table(results: Optional[dict]) -> str:
     if not results:
         return ("(not measured: pass `--results FILE`, written by "
                 "`python tools/bench/torchtitan_chunked.py`)\n")
-    rows = ["| scenario | wrapper | reduce-scatter / step | all-gather / step | "
-            "caller policy after step | max abs grad diff vs reference |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| scenario | wrapper | reduce-scatter / step | per microbatch | head's reduce-scatter "
+            "(index in the step) | all-gather / step | caller policy | max abs grad diff vs reference | "
+            "step time vs 0.3.0 |",
+            "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(value, fmt="{}"):
+        return "-" if value is None else fmt.format(value)
+
     for r in results["rows"]:
-        rows.append(f"| {r['scenario']} | {r['wrapper']} | {r['reduce_scatter']} | {r['all_gather']} | "
-                    f"{'kept' if r['policy_kept'] else 'overwritten'} | {r['max_grad_diff']:.2e} |")
+        rows.append(" | ".join([
+            f"| {r['scenario']}", r["wrapper"], cell(r.get("reduce_scatter")),
+            cell(r.get("reduce_scatter_per_microbatch")), cell(r.get("head_reduce_scatter_positions")),
+            cell(r.get("all_gather")), "kept" if r.get("policy_kept") else "overwritten",
+            cell(r.get("max_grad_diff"), "{:.2e}"), cell(r.get("step_time_ratio_vs_0.3.0"), "x{:.2f}"),
+        ]) + " |")
     note = results.get("note", "")
-    return "\n".join(rows) + "\n" + (f"\n{note}\n" if note else "")
+    if "load_average" in results:
+        note += f" Load average during the run: {results['load_average']:.1f}."
+    return "\n".join(rows) + "\n" + (f"\n{note.strip()}\n" if note else "")
 
 
 def export(target: InstalledConsumer, output: Path, results: Optional[dict] = None) -> Path:

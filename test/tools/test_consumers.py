@@ -173,7 +173,7 @@ def test_cli_and_export(tmp_path):
     assert (out / "0001-change.patch").read_text() == PATCH
     assert (out / "series").read_text() == "0001-change.patch\n"
     pr = (out / "PR.md").read_text()
-    assert "| s | w | 4 | 4 | kept |" in pr and "git am 0001-change.patch" in pr
+    assert "| s | w | 4 | - | - | 4 | kept | 0.00e+00 | - |" in pr and "git am 0001-change.patch" in pr
     assert f"| `{MODULE}` | 0 | 0 |" in pr
     assert run("apply").returncode == 0
     assert "state:       applied" in run("status").stdout
