@@ -100,6 +100,15 @@ step "applying the series: python -m torch_patches apply --python $PY"
 (cd / && "$PY" -m torch_patches apply --python "$PY")
 (cd / && "$PY" -m torch_patches status --python "$PY")
 
+# --- torchtitan consumer (test/consumers/torchtitan/) ---------------------------------
+# The pinned torchtitan release, without its dependencies (they would pull datasets,
+# wandb, ... and must never replace torch), then the consumer series applied to it.
+TT_SERIES="$REPO/consumers/torchtitan/0.3.0"
+step "installing torchtitan==0.3.0 and spmd_types==0.2.3 (--no-deps); applying $TT_SERIES"
+"$PY" -m pip install --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
+(cd / && PYTHONPATH="$REPO" "$PY" -m torch_patches torchtitan apply --series "$TT_SERIES" --python "$PY")
+# --- end torchtitan consumer ---------------------------------------------------------
+
 # Default to test/; if the arguments name test paths themselves, run just those.
 targets=(test/)
 for arg in "$@"; do

@@ -136,6 +136,11 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_torchtitan(args) -> int:
+    from . import consumers
+    return consumers.run_cli(args)
+
+
 def cmd_manifest(args) -> int:
     from .series import default_series_dir, read_manifest
     directory = args.series or default_series_dir()
@@ -249,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY (its torch must have the "
                    "series applied) and record them in --results (default: DIR/test-results.json)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("torchtitan", help="apply/revert/status/export the torchtitan consumer series")
+    from .consumers import add_cli_arguments
+    add_cli_arguments(p)
+    p.set_defaults(func=cmd_torchtitan)
     p = sub.add_parser("manifest", parents=[common], help="print the series' base, revision and wheel version")
     p.add_argument("--get", choices=("directory", "base_version", "base_git_version", "revision", "version",
                                      "local_label"),

@@ -18,7 +18,7 @@ LAYERS = [
     {"patching", "fsutil", "distinfo", "record"},
     {"series"},
     {"state", "marker"},
-    {"targets", "wheel", "upstream"},
+    {"targets", "wheel", "upstream", "consumers"},
     {"ops"},
     {"cli"},
     {"__main__"},

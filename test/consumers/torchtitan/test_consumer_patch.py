@@ -1,0 +1,101 @@
+# Owner(s): ["oncall: distributed"]
+"""
+The installed torchtitan carries the consumer series (consumers/torchtitan/)
+exactly, and the files it patches reference no private FSDP state: the
+consumer runs on the public lifecycle APIs only.
+"""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+
+REPO = Path(__file__).resolve().parents[3]
+SERIES_DIR = REPO / "consumers" / "torchtitan" / "0.3.0"
+
+# Counted independently of torch_patches/consumers.py
+PRIVATE_NAMES = (
+    "_get_fsdp_state",
+    "_fsdp_param_group",  # also matches _fsdp_param_groups
+    "_state_ctx",
+    "_post_forward",
+    "_modules_to_run_forward",
+    "_lazy_init",
+    "_comm_ctx",
+    "_fully_shard",
+)
+PUBLIC_CALLS = ("partial_backward(", "finish_forward(", "fsdp_policy(")
+
+
+def _patched_paths() -> list[str]:
+    names = [
+        line.strip()
+        for line in (SERIES_DIR / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    paths = []
+    for name in names:
+        for line in (SERIES_DIR / name).read_text().splitlines():
+            m = re.match(r"^\+\+\+ b/(\S+)$", line)
+            if m and m.group(1) not in paths:
+                paths.append(m.group(1))
+    return paths
+
+
+def _site_root() -> Path:
+    spec = importlib.util.find_spec("torchtitan")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+class TestTorchtitanConsumerPatch(TestCase):
+    def test_installed_torchtitan_is_patched(self):
+        """The marker names this series and the files hash as it recorded."""
+        import hashlib
+
+        root = _site_root()
+        (dist_info,) = root.glob("torchtitan-0.3.0.dist-info")
+        marker = json.loads((dist_info / "TORCH_PATCHES_CONSUMER.json").read_text())
+        shipped = [
+            {
+                "name": name,
+                "sha256": hashlib.sha256((SERIES_DIR / name).read_bytes()).hexdigest(),
+            }
+            for name in (p["name"] for p in marker["series"]["patches"])
+        ]
+        self.assertEqual(marker["series"]["patches"], shipped)
+        self.assertEqual(sorted(marker["files"]), sorted(_patched_paths()))
+        for rel, entry in marker["files"].items():
+            data = (root / rel).read_bytes()
+            self.assertEqual(hashlib.sha256(data).hexdigest(), entry["patched_sha256"], rel)
+
+    def test_no_private_fsdp_references(self):
+        """Zero private FSDP references in every patched file; the pristine
+        release used none either in these files, but drove FSDP through the
+        global setters that the public lifecycle APIs replace."""
+        root = _site_root()
+        paths = _patched_paths()
+        self.assertIn("torchtitan/components/loss.py", paths)
+        for rel in paths:
+            text = (root / rel).read_text()
+            counts = {name: text.count(name) for name in PRIVATE_NAMES}
+            self.assertEqual(sum(counts.values()), 0, f"{rel}: {counts}")
+            for setter in (
+                "set_reshard_after_forward(",
+                "set_reshard_after_backward(",
+                "set_requires_gradient_sync(",
+            ):
+                self.assertNotIn(setter, text, rel)
+        loss_py = (root / "torchtitan/components/loss.py").read_text()
+        for call in PUBLIC_CALLS:
+            self.assertIn(call, loss_py)
+        # Every fsdp_policy call names recurse explicitly
+        for m in re.finditer(r"fsdp_policy\((.*?)\)", loss_py, re.DOTALL):
+            self.assertIn("recurse=", m.group(1))
+
+
+if __name__ == "__main__":
+    run_tests()
