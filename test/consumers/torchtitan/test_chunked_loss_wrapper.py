@@ -525,7 +525,8 @@ class TestChunkedLossWrapperPipelining(GlooMultiProcessTestCase):
 
     def test_pipeline_schedules(self):
         """
-        Per schedule and head: a finalized step (with metadata inference), a
+        Per schedule and head: a finalized step (with metadata inference), an
+        evaluation step under ``torch.no_grad()``, a
         ``finalize_gradients=False`` step, then a finalized one, each checked
         against the reference; one reduce-scatter per FSDP group per
         finalized step and none in the non-finalized one.
@@ -633,7 +634,35 @@ class TestChunkedLossWrapperPipelining(GlooMultiProcessTestCase):
                 assert_params_equal(self, params, ref_model, grads=False)
                 for m in modules:
                     self.assertFalse(m.has_pending_gradients())
+            if step == 0:
+                self._pp_evaluate(schedule, stage_mods, ref_model, dp_rank, dp_mesh, local_batch)
+                self.assertEqual([m.get_fsdp_policy() for m in modules], policies)
         self.assertEqual(counts, [groups, 0, groups], msg=f"rank {self.rank}")
+
+    def _pp_evaluate(self, schedule, stage_mods, ref_model, dp_rank, dp_mesh, local_batch):
+        """A forward-only ``eval()`` step under ``torch.no_grad()`` (how
+        chunked-loss users evaluate): the reference's loss, no gradients, no
+        pending FSDP state."""
+        gen = torch.Generator().manual_seed(3000)
+        tokens = torch.randint(0, VOCAB, (2 * local_batch, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (2 * local_batch, SEQ), generator=gen)
+        local = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        args = (tokens[local],) if 0 in stage_mods else ()
+        has_last = any(mod.lm_head is not None for mod in stage_mods.values())
+        kwargs = {"target": labels[local]} if has_last else {}
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            schedule.eval(*args, losses=losses, **kwargs)
+            ref_loss = F.cross_entropy(ref_model(tokens).flatten(0, 1), labels.flatten())
+        if has_last:
+            loss = torch.stack(losses).mean()
+            dist.all_reduce(loss, group=dp_mesh.get_group())
+            self.assertEqual(loss / 2, ref_loss, **TOL)
+        for mod in stage_mods.values():
+            for name, param in mod.named_parameters():
+                self.assertIsNone(param.grad, name)
+            for m in fsdp_modules(mod):
+                self.assertFalse(m.has_pending_gradients())
 
 
 if __name__ == "__main__":
