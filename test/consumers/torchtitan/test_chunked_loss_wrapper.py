@@ -60,6 +60,15 @@ NUM_MICROBATCHES = 2
 NUM_STEPS = 3
 LR = 0.5
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+# (head, frozen decoder). A tied lm_head is the embedding: there is no decoder
+# to freeze without freezing the head.
+LAYOUTS = [
+    ("separate", False),
+    ("separate", True),
+    ("grouped", False),
+    ("grouped", True),
+    ("tied", False),
+]
 
 # Revision 3 of the pipelining patches restores the caller's policy after
 # every step, also a non-finalized one; revision 2 leaves the no-sync policy
@@ -389,17 +398,14 @@ class TestChunkedLossWrapperFSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
         """
         self.run_subtests(
             {
-                "head": ["separate", "grouped", "tied"],
-                "frozen_decoder": [False, True],
+                "layout": LAYOUTS,
                 "sync": ["last", "every"],
             },
             self._test_training_matrix,
         )
 
-    def _test_training_matrix(self, head: str, frozen_decoder: bool, sync: str) -> None:
-        if head == "tied" and frozen_decoder:
-            # A tied lm_head is the embedding: no decoder to freeze without it
-            return
+    def _test_training_matrix(self, layout: tuple[str, bool], sync: str) -> None:
+        head, frozen_decoder = layout
         self._run_training(head, frozen_decoder, sync, evaluate=sync == "last")
 
     def test_caller_policy_not_default(self):
@@ -409,13 +415,12 @@ class TestChunkedLossWrapperFSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
         changes it.
         """
         self.run_subtests(
-            {"head": ["separate", "grouped", "tied"], "frozen_decoder": [False, True]},
+            {"layout": LAYOUTS},
             self._test_caller_policy,
         )
 
-    def _test_caller_policy(self, head: str, frozen_decoder: bool) -> None:
-        if head == "tied" and frozen_decoder:
-            return
+    def _test_caller_policy(self, layout: tuple[str, bool]) -> None:
+        head, frozen_decoder = layout
         self._run_training(
             head, frozen_decoder, "last", policy=FSDPPolicy(reshard_after_forward=False)
         )
@@ -450,16 +455,14 @@ class TestChunkedLossWrapperHSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
     def test_training_matrix(self):
         self.run_subtests(
             {
-                "head": ["separate", "grouped", "tied"],
-                "frozen_decoder": [False, True],
+                "layout": LAYOUTS,
                 "sync": ["last", "every"],
             },
             self._test_training_matrix,
         )
 
-    def _test_training_matrix(self, head: str, frozen_decoder: bool, sync: str) -> None:
-        if head == "tied" and frozen_decoder:
-            return
+    def _test_training_matrix(self, layout: tuple[str, bool], sync: str) -> None:
+        head, frozen_decoder = layout
         # HSDP's replica all-reduce follows the reduce-scatter, once per group
         self._run_training(
             head,
