@@ -20,7 +20,6 @@ Prints one line per scenario and wrapper and writes a JSON result file
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import importlib.util
 import json
@@ -200,7 +199,9 @@ def main() -> None:
         ratio = (r["step_time_s"] / base["step_time_s"]) if base and base["step_time_s"] and r["step_time_s"] else None
         r["step_time_ratio_vs_0.3.0"] = ratio
         print(f"{r['scenario']} | {r['wrapper']:8} | RS/step {r['reduce_scatter']} AG/step {r['all_gather']} | "
-              f"per microbatch {r['reduce_scatter_per_microbatch']} | head RS at {r['head_reduce_scatter_positions']} | policy {'kept' if r['policy_kept'] else 'overwritten'}"
+              f"per microbatch {r['reduce_scatter_per_microbatch']} | "
+              f"head RS at {r['head_reduce_scatter_positions']} | "
+              f"policy {'kept' if r['policy_kept'] else 'overwritten'}"
               f" | max |grad - ref| {r['max_grad_diff']:.2e} | step {r['step_time_s'] or float('nan'):.4f} s"
               f" (x{ratio or float('nan'):.2f}) {r['error']}", flush=True)
     result = {

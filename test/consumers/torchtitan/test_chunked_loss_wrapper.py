@@ -60,6 +60,15 @@ NUM_MICROBATCHES = 2
 NUM_STEPS = 3
 LR = 0.5
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+# (head, frozen decoder). A tied lm_head is the embedding: there is no decoder
+# to freeze without freezing the head.
+LAYOUTS = [
+    ("separate", False),
+    ("separate", True),
+    ("grouped", False),
+    ("grouped", True),
+    ("tied", False),
+]
 
 # Revision 3 of the pipelining patches restores the caller's policy after
 # every step, also a non-finalized one; revision 2 leaves the no-sync policy
@@ -389,17 +398,14 @@ class TestChunkedLossWrapperFSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
         """
         self.run_subtests(
             {
-                "head": ["separate", "grouped", "tied"],
-                "frozen_decoder": [False, True],
+                "layout": LAYOUTS,
                 "sync": ["last", "every"],
             },
             self._test_training_matrix,
         )
 
-    def _test_training_matrix(self, head: str, frozen_decoder: bool, sync: str) -> None:
-        if head == "tied" and frozen_decoder:
-            # A tied lm_head is the embedding: no decoder to freeze without it
-            return
+    def _test_training_matrix(self, layout: tuple[str, bool], sync: str) -> None:
+        head, frozen_decoder = layout
         self._run_training(head, frozen_decoder, sync, evaluate=sync == "last")
 
     def test_caller_policy_not_default(self):
@@ -409,13 +415,12 @@ class TestChunkedLossWrapperFSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
         changes it.
         """
         self.run_subtests(
-            {"head": ["separate", "grouped", "tied"], "frozen_decoder": [False, True]},
+            {"layout": LAYOUTS},
             self._test_caller_policy,
         )
 
-    def _test_caller_policy(self, head: str, frozen_decoder: bool) -> None:
-        if head == "tied" and frozen_decoder:
-            return
+    def _test_caller_policy(self, layout: tuple[str, bool]) -> None:
+        head, frozen_decoder = layout
         self._run_training(
             head, frozen_decoder, "last", policy=FSDPPolicy(reshard_after_forward=False)
         )
@@ -450,16 +455,14 @@ class TestChunkedLossWrapperHSDP(ChunkedLossTestMixin, GlooMultiProcessTestCase)
     def test_training_matrix(self):
         self.run_subtests(
             {
-                "head": ["separate", "grouped", "tied"],
-                "frozen_decoder": [False, True],
+                "layout": LAYOUTS,
                 "sync": ["last", "every"],
             },
             self._test_training_matrix,
         )
 
-    def _test_training_matrix(self, head: str, frozen_decoder: bool, sync: str) -> None:
-        if head == "tied" and frozen_decoder:
-            return
+    def _test_training_matrix(self, layout: tuple[str, bool], sync: str) -> None:
+        head, frozen_decoder = layout
         # HSDP's replica all-reduce follows the reduce-scatter, once per group
         self._run_training(
             head,
@@ -525,7 +528,8 @@ class TestChunkedLossWrapperPipelining(GlooMultiProcessTestCase):
 
     def test_pipeline_schedules(self):
         """
-        Per schedule and head: a finalized step (with metadata inference), a
+        Per schedule and head: a finalized step (with metadata inference), an
+        evaluation step under ``torch.no_grad()``, a
         ``finalize_gradients=False`` step, then a finalized one, each checked
         against the reference; one reduce-scatter per FSDP group per
         finalized step and none in the non-finalized one.
@@ -633,7 +637,35 @@ class TestChunkedLossWrapperPipelining(GlooMultiProcessTestCase):
                 assert_params_equal(self, params, ref_model, grads=False)
                 for m in modules:
                     self.assertFalse(m.has_pending_gradients())
+            if step == 0:
+                self._pp_evaluate(schedule, stage_mods, ref_model, dp_rank, dp_mesh, local_batch)
+                self.assertEqual([m.get_fsdp_policy() for m in modules], policies)
         self.assertEqual(counts, [groups, 0, groups], msg=f"rank {self.rank}")
+
+    def _pp_evaluate(self, schedule, stage_mods, ref_model, dp_rank, dp_mesh, local_batch):
+        """A forward-only ``eval()`` step under ``torch.no_grad()`` (how
+        chunked-loss users evaluate): the reference's loss, no gradients, no
+        pending FSDP state."""
+        gen = torch.Generator().manual_seed(3000)
+        tokens = torch.randint(0, VOCAB, (2 * local_batch, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (2 * local_batch, SEQ), generator=gen)
+        local = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+        args = (tokens[local],) if 0 in stage_mods else ()
+        has_last = any(mod.lm_head is not None for mod in stage_mods.values())
+        kwargs = {"target": labels[local]} if has_last else {}
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            schedule.eval(*args, losses=losses, **kwargs)
+            ref_loss = F.cross_entropy(ref_model(tokens).flatten(0, 1), labels.flatten())
+        if has_last:
+            loss = torch.stack(losses).mean()
+            dist.all_reduce(loss, group=dp_mesh.get_group())
+            self.assertEqual(loss / 2, ref_loss, **TOL)
+        for mod in stage_mods.values():
+            for name, param in mod.named_parameters():
+                self.assertIsNone(param.grad, name)
+            for m in fsdp_modules(mod):
+                self.assertFalse(m.has_pending_gradients())
 
 
 if __name__ == "__main__":
