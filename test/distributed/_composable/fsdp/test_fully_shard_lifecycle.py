@@ -53,6 +53,8 @@ from fsdp_lifecycle_testing import (  # noqa: E402
 
 VOCAB_SIZE, DIM, SEQ_LEN, BATCH_SIZE = 32, 16, 12, 2
 NUM_MICROBATCHES, NUM_CHUNKS = 3, 3
+# Optimizer steps of the chunked-loss matrix
+NUM_STEPS = 2
 LR = 0.5
 ATOL, RTOL = 1e-5, 1e-5
 
@@ -429,12 +431,36 @@ class _LifecycleTestMixin:
         self, layout: str, norm_in_forward: bool, training: str, deferral: str
     ):
         mesh = self._mesh()
-        tokens, labels = _make_data(self.rank)
-
         # Non-chunked run of the same model for all-gathers and prefetches
         baseline, _ = _make_models(
             layout, training, norm_in_forward=norm_in_forward, mesh=mesh
         )
+        model, ref = _make_models(
+            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        optims = [
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR)
+            for m in (baseline, model, ref)
+        ]
+        for step in range(NUM_STEPS):
+            tokens, labels = _make_data(self.rank + 100 * step)
+            self._test_chunked_loss_step(
+                baseline, model, ref, tokens, labels, deferral, mesh.ndim == 2
+            )
+            if layout == "separate" and not norm_in_forward and training == "full":
+                # ``norm`` (root group) gets gradients only in the inner passes,
+                # without any FSDP hook for its group: reduced by the outer
+                # backward
+                self.assertIsNotNone(model.norm.weight.grad)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+            self._assert_matches_reference(model, ref, "param")
+
+    def _test_chunked_loss_step(
+        self, baseline, model, ref, tokens, labels, deferral: str, is_hsdp: bool
+    ) -> None:
+        """One optimizer step's microbatches of :meth:`_test_chunked_loss`."""
         with _Recorder(baseline).record() as baseline_recorder:
             _, baseline_head_all_gathers, baseline_prefetches = self._run_step(
                 baseline,
@@ -444,10 +470,6 @@ class _LifecycleTestMixin:
                 chunked=False,
                 recorder=baseline_recorder,
             )
-
-        model, ref = _make_models(
-            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
-        )
         policies = fsdp_policies(model)
         recorder = _Recorder(model)
         with recorder.record():
@@ -465,20 +487,12 @@ class _LifecycleTestMixin:
             rtol=RTOL,
         )
         self._assert_matches_reference(model, ref, "grad")
-        if layout == "separate" and not norm_in_forward and training == "full":
-            # ``norm`` (root group) gets gradients only in the inner passes,
-            # without any FSDP hook for its group: reduced by the outer backward
-            self.assertIsNotNone(model.norm.weight.grad)
-        for params in (model.parameters(), ref.parameters()):
-            torch.optim.SGD([p for p in params if p.requires_grad], lr=LR).step()
-        self._assert_matches_reference(model, ref, "param")
 
         # Each trainable group reduces once per step with deferral, once per
         # microbatch without; HSDP all-reduces once per step unless deferral
         # is off
         trainable = _trainable_groups(model)
         self.assertGreater(len(trainable), 0)
-        is_hsdp = mesh.ndim == 2
         num_rs = 1 if deferral == "on" else NUM_MICROBATCHES
         num_ar = (NUM_MICROBATCHES if deferral == "off" else 1) if is_hsdp else 0
         for group in fsdp_param_groups(model):
@@ -525,55 +539,49 @@ class _LifecycleTestMixin:
         self.assertFalse(bookkeeping["iter_forward_root"])
 
 
-class _ChunkedLossMatrix(_LifecycleTestMixin):
-    """The chunked-loss matrix, one spawn per head layout."""
-
-    # Deferral modes (see ``_microbatch_policy``), set per mesh by subclasses
-    deferrals: tuple[str, ...]
-
-    def _run_layout(self, layout: str) -> None:
-        self.run_subtests(
-            {
-                "layout": [layout],
-                "norm_in_forward": [True, False],
-                "training": ["full", "frozen_trunk", "lm_head_only"],
-                "deferral": list(self.deferrals),
-            },
-            self._test_chunked_loss,
-        )
-
-    def test_chunked_loss_separate_head(self):
-        self._run_layout("separate")
-
-    def test_chunked_loss_grouped_head(self):
-        self._run_layout("grouped")
-
-    def test_chunked_loss_tied_grouped_head(self):
-        self._run_layout("tied")
+TRAININGS = ["full", "frozen_trunk", "lm_head_only"]
 
 
-class TestFullyShardChunkedLoss(_ChunkedLossMatrix, GlooMultiProcessTestCase):
-    """The chunked-loss matrix on FSDP (2 ranks)."""
-
-    deferrals = ("on", "off")
+class TestFullyShardChunkedLoss(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """The chunked-loss matrix on FSDP (2 ranks), one test per configuration."""
 
     @property
     def world_size(self) -> int:
         return 2
 
+    @parametrize("deferral", ["on", "off"])
+    @parametrize("training", TRAININGS)
+    @parametrize("norm_in_forward", [True, False])
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_chunked_loss(
+        self, layout: str, norm_in_forward: bool, training: str, deferral: str
+    ):
+        self._test_chunked_loss(layout, norm_in_forward, training, deferral)
 
-class TestFullyShardChunkedLossHSDP(_ChunkedLossMatrix, GlooMultiProcessTestCase):
+
+class TestFullyShardChunkedLossHSDP(_LifecycleTestMixin, GlooMultiProcessTestCase):
     """
     The chunked-loss matrix on HSDP (2x2 mesh, 4 ranks); ``rs_only`` turns the
     replica all-reduce off for early microbatches (reduce-scatter per
     microbatch, all-reduce once per step).
     """
 
-    deferrals = ("on", "off", "rs_only")
-
     @property
     def world_size(self) -> int:
         return 4
+
+    @parametrize("deferral", ["on", "off", "rs_only"])
+    @parametrize("training", TRAININGS)
+    @parametrize("norm_in_forward", [True, False])
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_chunked_loss(
+        self, layout: str, norm_in_forward: bool, training: str, deferral: str
+    ):
+        self._test_chunked_loss(layout, norm_in_forward, training, deferral)
+
+
+instantiate_parametrized_tests(TestFullyShardChunkedLoss)
+instantiate_parametrized_tests(TestFullyShardChunkedLossHSDP)
 
 
 class _InjectedError(Exception):

@@ -756,6 +756,38 @@ class TestFullyShardPolicy(_PolicyTestBase):
             ):
                 self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
 
+    def test_recurse_is_required(self):
+        """
+        ``recurse`` has no default for ``set_fsdp_policy`` and ``fsdp_policy``:
+        omitting it raises ``TypeError`` before anything changes, so moving
+        from ``set_requires_gradient_sync(False)`` (``recurse=True`` by
+        default) to the value API cannot silently keep reducing the children.
+        With ``recurse=True`` the scope reduces nothing, like the setter.
+        Revision 2 defaulted to ``recurse=False``: 3 reduce-scatters instead
+        of 0.
+        """
+        torch.manual_seed(0)
+        model = _shard(Model())
+        before = _snapshot(model)
+        with self.assertRaisesRegex(TypeError, "recurse"):
+            model.set_fsdp_policy(FSDPPolicy())
+        with self.assertRaisesRegex(TypeError, "recurse"):
+            with model.fsdp_policy(requires_gradient_sync=False):
+                pass
+        self._assert_same_snapshot(before, _snapshot(model), "missing recurse")
+        counter = CollectiveCounter()
+        inp = torch.randn(4, DIM)
+        with model.fsdp_policy(requires_gradient_sync=False, recurse=True):
+            with counter.count():
+                self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], 0)
+        model.set_requires_gradient_sync(False)
+        counter.reset()
+        with counter.count():
+            self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], 0)
+        model.set_requires_gradient_sync(True)
+
     def test_recurse_and_int_1(self):
         """
         ``recurse`` must be a ``bool`` (``"no"`` used to recurse silently),
