@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, FSDPPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.testing._internal.common_distributed import (
     MultiProcessTestCase,
@@ -144,8 +144,8 @@ def param_group_name(group: FSDPParamGroup) -> str:
     return group._module_fqn or "<root>"
 
 
-def fsdp_policies(model: nn.Module) -> dict[str, FSDPPolicy]:
-    """Each FSDP module's current policy, by module name."""
+def fsdp_policies(model: nn.Module) -> dict[str, Any]:
+    """Each FSDP module's current ``FSDPPolicy``, by module name."""
     return {
         name: module.get_fsdp_policy()
         for name, module in model.named_modules()

@@ -30,7 +30,11 @@ from torch.distributed.fsdp import FSDPModule, FSDPPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
 
 
 sys.path.insert(
@@ -49,6 +53,8 @@ from fsdp_lifecycle_testing import (  # noqa: E402
 
 VOCAB_SIZE, DIM, SEQ_LEN, BATCH_SIZE = 32, 16, 12, 2
 NUM_MICROBATCHES, NUM_CHUNKS = 3, 3
+# Optimizer steps of the chunked-loss matrix
+NUM_STEPS = 2
 LR = 0.5
 ATOL, RTOL = 1e-5, 1e-5
 
@@ -425,12 +431,36 @@ class _LifecycleTestMixin:
         self, layout: str, norm_in_forward: bool, training: str, deferral: str
     ):
         mesh = self._mesh()
-        tokens, labels = _make_data(self.rank)
-
         # Non-chunked run of the same model for all-gathers and prefetches
         baseline, _ = _make_models(
             layout, training, norm_in_forward=norm_in_forward, mesh=mesh
         )
+        model, ref = _make_models(
+            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
+        )
+        optims = [
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR)
+            for m in (baseline, model, ref)
+        ]
+        for step in range(NUM_STEPS):
+            tokens, labels = _make_data(self.rank + 100 * step)
+            self._test_chunked_loss_step(
+                baseline, model, ref, tokens, labels, deferral, mesh.ndim == 2
+            )
+            if layout == "separate" and not norm_in_forward and training == "full":
+                # ``norm`` (root group) gets gradients only in the inner passes,
+                # without any FSDP hook for its group: reduced by the outer
+                # backward
+                self.assertIsNotNone(model.norm.weight.grad)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+            self._assert_matches_reference(model, ref, "param")
+
+    def _test_chunked_loss_step(
+        self, baseline, model, ref, tokens, labels, deferral: str, is_hsdp: bool
+    ) -> None:
+        """One optimizer step's microbatches of :meth:`_test_chunked_loss`."""
         with _Recorder(baseline).record() as baseline_recorder:
             _, baseline_head_all_gathers, baseline_prefetches = self._run_step(
                 baseline,
@@ -440,10 +470,6 @@ class _LifecycleTestMixin:
                 chunked=False,
                 recorder=baseline_recorder,
             )
-
-        model, ref = _make_models(
-            layout, training, norm_in_forward=norm_in_forward, mesh=mesh
-        )
         policies = fsdp_policies(model)
         recorder = _Recorder(model)
         with recorder.record():
@@ -461,20 +487,12 @@ class _LifecycleTestMixin:
             rtol=RTOL,
         )
         self._assert_matches_reference(model, ref, "grad")
-        if layout == "separate" and not norm_in_forward and training == "full":
-            # ``norm`` (root group) gets gradients only in the inner passes,
-            # without any FSDP hook for its group: reduced by the outer backward
-            self.assertIsNotNone(model.norm.weight.grad)
-        for params in (model.parameters(), ref.parameters()):
-            torch.optim.SGD([p for p in params if p.requires_grad], lr=LR).step()
-        self._assert_matches_reference(model, ref, "param")
 
         # Each trainable group reduces once per step with deferral, once per
         # microbatch without; HSDP all-reduces once per step unless deferral
         # is off
         trainable = _trainable_groups(model)
         self.assertGreater(len(trainable), 0)
-        is_hsdp = mesh.ndim == 2
         num_rs = 1 if deferral == "on" else NUM_MICROBATCHES
         num_ar = (NUM_MICROBATCHES if deferral == "off" else 1) if is_hsdp else 0
         for group in fsdp_param_groups(model):
@@ -521,55 +539,49 @@ class _LifecycleTestMixin:
         self.assertFalse(bookkeeping["iter_forward_root"])
 
 
-class _ChunkedLossMatrix(_LifecycleTestMixin):
-    """The chunked-loss matrix, one spawn per head layout."""
-
-    # Deferral modes (see ``_microbatch_policy``), set per mesh by subclasses
-    deferrals: tuple[str, ...]
-
-    def _run_layout(self, layout: str) -> None:
-        self.run_subtests(
-            {
-                "layout": [layout],
-                "norm_in_forward": [True, False],
-                "training": ["full", "frozen_trunk", "lm_head_only"],
-                "deferral": list(self.deferrals),
-            },
-            self._test_chunked_loss,
-        )
-
-    def test_chunked_loss_separate_head(self):
-        self._run_layout("separate")
-
-    def test_chunked_loss_grouped_head(self):
-        self._run_layout("grouped")
-
-    def test_chunked_loss_tied_grouped_head(self):
-        self._run_layout("tied")
+TRAININGS = ["full", "frozen_trunk", "lm_head_only"]
 
 
-class TestFullyShardChunkedLoss(_ChunkedLossMatrix, GlooMultiProcessTestCase):
-    """The chunked-loss matrix on FSDP (2 ranks)."""
-
-    deferrals = ("on", "off")
+class TestFullyShardChunkedLoss(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """The chunked-loss matrix on FSDP (2 ranks), one test per configuration."""
 
     @property
     def world_size(self) -> int:
         return 2
 
+    @parametrize("deferral", ["on", "off"])
+    @parametrize("training", TRAININGS)
+    @parametrize("norm_in_forward", [True, False])
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_chunked_loss(
+        self, layout: str, norm_in_forward: bool, training: str, deferral: str
+    ):
+        self._test_chunked_loss(layout, norm_in_forward, training, deferral)
 
-class TestFullyShardChunkedLossHSDP(_ChunkedLossMatrix, GlooMultiProcessTestCase):
+
+class TestFullyShardChunkedLossHSDP(_LifecycleTestMixin, GlooMultiProcessTestCase):
     """
     The chunked-loss matrix on HSDP (2x2 mesh, 4 ranks); ``rs_only`` turns the
     replica all-reduce off for early microbatches (reduce-scatter per
     microbatch, all-reduce once per step).
     """
 
-    deferrals = ("on", "off", "rs_only")
-
     @property
     def world_size(self) -> int:
         return 4
+
+    @parametrize("deferral", ["on", "off", "rs_only"])
+    @parametrize("training", TRAININGS)
+    @parametrize("norm_in_forward", [True, False])
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_chunked_loss(
+        self, layout: str, norm_in_forward: bool, training: str, deferral: str
+    ):
+        self._test_chunked_loss(layout, norm_in_forward, training, deferral)
+
+
+instantiate_parametrized_tests(TestFullyShardChunkedLoss)
+instantiate_parametrized_tests(TestFullyShardChunkedLossHSDP)
 
 
 class _InjectedError(Exception):
@@ -608,6 +620,120 @@ class _TwoHeadTransformer(Transformer):
         return _loss(logits, labels) + 1e-2 * lse.square().sum() / (
             BATCH_SIZE * SEQ_LEN * NUM_MICROBATCHES
         )
+
+
+class TestFullyShardPartialBackwardExit(_LifecycleTestMixin, GlooMultiProcessTestCase):
+    """
+    ``partial_backward(outer_backward=True)`` exit finishes the groups that the
+    decoder backward does not reach (a separately sharded head) per the
+    caller's policy: a reducing microbatch issues the head's reduce-scatter on
+    exit, before the first decoder block's backward, and every microbatch
+    reshards the head (``reshard_after_backward=True``), so the head holds no
+    unsharded parameter storage during the decoder backward; a no-sync
+    microbatch keeps its unsharded gradient. A grouped ``[norm, lm_head]`` head
+    is reduced when the decoder backward reaches ``norm``, as before, which is
+    also before the first block. Two optimizer steps match the reference, with
+    exactly one reduction per group per reducing microbatch. Revision 2 issued
+    a separate head's reduce-scatter last, in the root's final callback, and
+    kept its unsharded weight through the decoder backward.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @parametrize("deferral", ["on", "off"])
+    @parametrize("layout", ["separate", "grouped"])
+    def test_head_finished_before_decoder_backward(self, layout: str, deferral: str):
+        mesh = self._mesh()
+        model, ref = _make_models(layout, "full", norm_in_forward=True, mesh=mesh)
+        head = _head_group(model)
+        events: list[tuple[str, str]] = []
+        head_storage_during_decoder_backward: list[int] = []
+
+        def record_layer_backward(name: str):
+            def hook(grad: torch.Tensor) -> None:
+                events.append(("backward", name))
+                head_storage_during_decoder_backward.append(
+                    sum(
+                        p.untyped_storage().size()
+                        for p in model.lm_head.unsharded_parameters()
+                    )
+                )
+
+            return hook
+
+        def register(name: str):
+            def forward_hook(module, args, out) -> None:
+                if out.requires_grad:
+                    out.register_hook(record_layer_backward(name))
+
+            return forward_hook
+
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_hook(register(f"layers.{i}"))
+        recorder = _Recorder(model)
+        orig_reduce = _fsdp_param_group.foreach_reduce
+
+        def reduce(fsdp_params, *args, **kwargs):
+            group = recorder._group_of[id(fsdp_params[0])]
+            events.append(("reduce", param_group_name(group)))
+            return orig_reduce(fsdp_params, *args, **kwargs)
+
+        optim = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        num_steps = 2
+        for step in range(num_steps):
+            tokens, labels = random_token_microbatches(
+                1000 * step + self.rank,
+                NUM_MICROBATCHES,
+                VOCAB_SIZE,
+                BATCH_SIZE,
+                SEQ_LEN,
+            )
+            for mb in range(NUM_MICROBATCHES):
+                where = f"step {step}, microbatch {mb}"
+                reducing = deferral == "off" or mb == NUM_MICROBATCHES - 1
+                events.clear()
+                head_storage_during_decoder_backward.clear()
+                _fsdp_param_group.foreach_reduce = reduce
+                try:
+                    with recorder.record(), _microbatch_policy(model, deferral, mb):
+                        _chunked_loss_step(model, tokens[mb], labels[mb])
+                finally:
+                    _fsdp_param_group.foreach_reduce = orig_reduce
+                head_name = param_group_name(head)  # FQNs are set at lazy init
+                first_block = events.index(("backward", "layers.1"))
+                if reducing:
+                    self.assertIn(("reduce", head_name), events[:first_block], where)
+                    self.assertEqual(events.count(("reduce", head_name)), 1, where)
+                else:
+                    self.assertNotIn(("reduce", head_name), events, where)
+                    self.assertTrue(
+                        model.lm_head.has_pending_gradients(recurse=False), where
+                    )
+                self.assertEqual(
+                    head_storage_during_decoder_backward,
+                    [0] * len(model.layers),
+                    where,
+                )
+            self._reference_step(ref, tokens, labels)
+            self._assert_matches_reference(model, ref, "grad")
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+            self._assert_matches_reference(model, ref, "param")
+        num_reducing = NUM_MICROBATCHES if deferral == "off" else 1
+        for group in fsdp_param_groups(model):
+            self.assertEqual(
+                recorder.reduce_scatters[group],
+                num_steps * num_reducing,
+                param_group_name(group),
+            )
+
+
+instantiate_parametrized_tests(TestFullyShardPartialBackwardExit)
 
 
 class TestFullyShardPartialBackwardLifecycle(
@@ -675,9 +801,12 @@ class TestFullyShardPartialBackwardLifecycle(
         model, _ = _make_models(layout, "full", norm_in_forward=False, mesh=mesh)
         # Caller's policies that differ from the no-sync ones applied inside
         for m in (clean, model):
-            m.layers[0].set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+            m.layers[0].set_fsdp_policy(
+                FSDPPolicy(reshard_after_forward=False), recurse=False
+            )
             m.lm_head.set_fsdp_policy(
-                FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True)
+                FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True),
+                recurse=False,
             )
         policies = fsdp_policies(model)
         self._step(clean, tokens, labels)
@@ -801,52 +930,6 @@ class TestFullyShardPartialBackwardLifecycle(
                 self.assertEqual((fsdp_policies(model), _bookkeeping(model)), before)
             out.sum().backward()
             self._assert_idle(model)
-
-    def test_evaluation_leaves_groups_sharded(self):
-        """
-        ``no_grad`` chunk calls plus ``finish_forward`` leave every non-root
-        group sharded with no pending bookkeeping, for 50 batches.
-        """
-        self.run_subtests(
-            {
-                "layout": ["separate", "grouped", "tied"],
-                "norm_in_forward": [True, False],
-            },
-            self._test_evaluation_leaves_groups_sharded,
-        )
-
-    def _test_evaluation_leaves_groups_sharded(
-        self, layout: str, norm_in_forward: bool
-    ):
-        mesh = self._mesh()
-        model, ref = _make_models(
-            layout, "full", norm_in_forward=norm_in_forward, mesh=mesh
-        )
-        root_groups = model._get_fsdp_state()._fsdp_param_groups
-        gen = torch.Generator().manual_seed(self.rank)
-        for batch in range(50):
-            tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen)
-            with torch.no_grad():
-                h = model(tokens)
-                logits = torch.cat(
-                    [
-                        model.lm_head.finish_forward(model.head(c))
-                        for c in h.chunk(NUM_CHUNKS, dim=1)
-                    ],
-                    dim=1,
-                )
-                if batch == 0:
-                    torch.testing.assert_close(
-                        logits, ref.head(ref(tokens)), atol=ATOL, rtol=RTOL
-                    )
-            for group in fsdp_param_groups(model):
-                if group not in root_groups:
-                    self.assertTrue(group.is_sharded, param_group_name(group))
-            self._assert_idle(model)
-            self.assertEqual(
-                _bookkeeping(model)["post_forward_indices"],
-                [0] * len(fsdp_param_groups(model)),
-            )
 
     def test_bookkeeping_bounded(self):
         """
@@ -1178,161 +1261,6 @@ class TestFullyShardBookkeepingGradMode(GlooMultiProcessTestCase):
         for checkpointing in ("reentrant", "non_reentrant"):
             for param, ref_param in zip(params[checkpointing], params[None]):
                 torch.testing.assert_close(param, ref_param, atol=ATOL, rtol=RTOL)
-
-    def test_no_grad_iterations_bounded(self):
-        """
-        200 ``no_grad`` evaluation iterations, after training and between a
-        training forward and its backward, leave the post-forward order as it
-        was, with and without checkpointing; the next backward prefetches as
-        usual.
-        """
-        tokens, labels = _make_data(self.rank)
-        for checkpointing in (None, "reentrant"):
-            model = self._make_model(checkpointing)
-            recorder = _Recorder(model)
-            comm_ctx = model._get_fsdp_state()._comm_ctx
-            with recorder.record():
-                self._train_step(model, tokens[0], labels[0], recorder)
-                with torch.no_grad():
-                    for it in range(200):
-                        model(tokens[it % NUM_MICROBATCHES])
-                        self.assertEqual(len(comm_ctx.post_forward_order), 0)
-                self.assertEqual(
-                    [len(g._post_forward_indices) for g in fsdp_param_groups(model)],
-                    [0] * 3,
-                )
-                # An evaluation between a training forward and its backward
-                loss = _loss(model(tokens[1]), labels[1])
-                with torch.no_grad():
-                    for it in range(200):
-                        model(tokens[it % NUM_MICROBATCHES])
-                order = [param_group_name(g) for g in comm_ctx.post_forward_order]
-                self.assertEqual(order, self.EXPECTED_ORDER)
-                num_prefetches = len(recorder.prefetches)
-                recorder.record_prefetches = True
-                loss.backward()
-                recorder.record_prefetches = False
-                prefetches = [
-                    (param_group_name(source), param_group_name(target))
-                    for source, target in recorder.prefetches[num_prefetches:]
-                ]
-                self.assertEqual(prefetches, self.EXPECTED_PREFETCHES)
-                self.assertEqual(len(comm_ctx.post_forward_order), 0)
-
-
-class TestFullyShardEvalThenTrain(_LifecycleTestMixin, GlooMultiProcessTestCase):
-    """
-    2.15.0 user code without the new APIs: a grouped head
-    (``fully_shard([norm, lm_head])``) called per chunk after the root forward,
-    and a ``no_grad`` evaluation between training steps that calls the head
-    the same way. The evaluation leaves the head's forward incomplete (its
-    claim on the iteration stays), so the next training iteration starts
-    without the root claiming it; that iteration must still record its
-    post-forward order and prefetch in backward.
-    """
-
-    # Measured on torch 2.15.0 without the patches (world 1 and 2, this model
-    # and step): the post-forward order after the forward, and the implicit
-    # backward prefetches (source -> target). A training step right after the
-    # evaluation completes the head group inside the root forward, so its own
-    # entries are in another order. 2.15.0 also keeps the evaluation's four
-    # entries in front of them and issues one more prefetch, from
-    # ``layers.0`` to the evaluation's stale head entry; the patched FSDP
-    # drops an evaluation's entries (see [Note: FSDP evaluation bookkeeping]),
-    # so these are 2.15.0's entries and prefetches for the training iteration
-    # itself. Revision 2 recorded ``["<root>"]`` and prefetched nothing.
-    EXPECTED_ORDER = ["layers.0", "layers.1", "<root>", "norm, lm_head"]
-    EXPECTED_PREFETCHES = [
-        ("<root>", "layers.1"),
-        ("norm, lm_head", "<root>"),
-        ("layers.1", "layers.0"),
-    ]
-    # Reduce-scatters per group in one step, also as in 2.15.0: the grouped
-    # head, called per chunk without ``finish_forward``, reduces twice
-    EXPECTED_REDUCE_SCATTERS = {
-        "<root>": 1,
-        "layers.0": 1,
-        "layers.1": 1,
-        "norm, lm_head": 2,
-    }
-    EXPECTED_ORDER_AFTER_EVAL = ["layers.0", "layers.1", "norm, lm_head", "<root>"]
-    EXPECTED_PREFETCHES_AFTER_EVAL = [
-        ("norm, lm_head", "layers.1"),
-        ("<root>", "norm, lm_head"),
-        ("layers.1", "layers.0"),
-    ]
-
-    @property
-    def world_size(self) -> int:
-        return 2
-
-    def test_eval_with_partial_head_calls_then_train(self):
-        """
-        Training steps with and without a preceding evaluation record 2.15.0's
-        post-forward order and backward prefetches, reduce-scatter as 2.15.0
-        does, and match an unsharded reference over several SGD steps.
-        """
-        tokens, labels = _make_data(self.rank)
-        model, ref = _make_models(
-            "grouped", "full", norm_in_forward=True, mesh=self._mesh()
-        )
-        optim = torch.optim.SGD(model.parameters(), lr=LR)
-        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
-        comm_ctx = model._get_fsdp_state()._comm_ctx
-        recorder = _Recorder(model)
-        with recorder.record():
-            for step in range(2 * NUM_MICROBATCHES):
-                eval_before = step % 2 == 1
-                mb = step % NUM_MICROBATCHES
-                where = f"step {step}, eval before: {eval_before}"
-                if eval_before:
-                    with torch.no_grad():
-                        h = model(tokens[mb])
-                        for h_chunk in h.chunk(NUM_CHUNKS, dim=1):
-                            model.lm_head(h_chunk)
-                num_prefetches = len(recorder.prefetches)
-                num_reduce_scatters = collections.Counter(recorder.reduce_scatters)
-                h = model(tokens[mb])
-                order = [param_group_name(g) for g in comm_ctx.post_forward_order]
-                loss = sum(
-                    _loss(model.lm_head(h_chunk), label_chunk)
-                    for h_chunk, label_chunk in zip(
-                        h.chunk(NUM_CHUNKS, dim=1),
-                        labels[mb].chunk(NUM_CHUNKS, dim=1),
-                    )
-                )
-                recorder.record_prefetches = True
-                loss.backward()
-                recorder.record_prefetches = False
-                prefetches = [
-                    (param_group_name(source), param_group_name(target))
-                    for source, target in recorder.prefetches[num_prefetches:]
-                ]
-                if eval_before:
-                    self.assertEqual(order, self.EXPECTED_ORDER_AFTER_EVAL, where)
-                    self.assertEqual(
-                        prefetches, self.EXPECTED_PREFETCHES_AFTER_EVAL, where
-                    )
-                else:
-                    self.assertEqual(order, self.EXPECTED_ORDER, where)
-                    self.assertEqual(prefetches, self.EXPECTED_PREFETCHES, where)
-                self.assertEqual(
-                    {
-                        param_group_name(g): recorder.reduce_scatters[g]
-                        - num_reduce_scatters[g]
-                        for g in fsdp_param_groups(model)
-                    },
-                    self.EXPECTED_REDUCE_SCATTERS,
-                    where,
-                )
-                self.assertEqual(len(comm_ctx.post_forward_order), 0, where)
-                self._reference_step(ref, [tokens[mb]], [labels[mb]])
-                self._assert_matches_reference(model, ref, "grad")
-                optim.step()
-                ref_optim.step()
-                optim.zero_grad()
-                ref_optim.zero_grad()
-                self._assert_matches_reference(model, ref, "param")
 
 
 if __name__ == "__main__":

@@ -232,7 +232,7 @@ def _set_caller_policies(model: nn.Module) -> None:
             policy = replace(module.get_fsdp_policy(), requires_all_reduce=False)
             if name.startswith("layers."):
                 policy = replace(policy, reshard_after_forward=True)
-            module.set_fsdp_policy(policy)
+            module.set_fsdp_policy(policy, recurse=False)
 
 
 class _Collectives:

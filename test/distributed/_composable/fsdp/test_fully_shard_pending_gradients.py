@@ -1,7 +1,8 @@
 # Owner(s): ["oncall: distributed"]
 """
 Tests for the FSDP2 queries that gradient accumulation and pipelining need:
-``FSDPModule.has_pending_gradients`` and ``FSDPModule.unsharded_parameters``.
+``FSDPModule.has_pending_gradients``, ``FSDPModule.unsharded_parameters`` and
+``FSDPModule.is_fsdp_root``.
 
 Every multi-process test runs gloo on CPU through ``GlooMultiProcessTestCase``
 (``FSDPTest`` skips every test on a CPU-only machine in torch 2.15.0).
@@ -177,27 +178,36 @@ class TestFullyShardPendingGradients(GlooMultiProcessTestCase):
         model.reset_iter_state()
 
 
-class TestFullyShardResetBeforeFirstForward(GlooMultiProcessTestCase):
-    def test_reset_iter_state_before_first_forward(self):
+class TestFullyShardIsFSDPRoot(GlooMultiProcessTestCase):
+    def test_is_fsdp_root(self):
         """
-        ``reset_iter_state`` before the root's first forward (e.g. recovering
-        from a failure before FSDP ran) is a no-op (2.15.0 raised
-        ``AttributeError``); training afterwards matches a reference.
+        ``is_fsdp_root()`` is ``False`` on every module before lazy init, then
+        ``True`` exactly on the module whose forward ran it, for
+        ``fully_shard`` and ``replicate()`` trees; ``reset_iter_state()``
+        raises ``RuntimeError`` exactly where it is ``False`` after lazy init.
         """
-        torch.manual_seed(0)
-        ref_model = Model()
-        model = copy.deepcopy(ref_model)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
         mesh = init_device_mesh("cpu", (self.world_size,))
-        fully_shard(model.lin0, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.reset_iter_state()
-        self.assertFalse(model.has_pending_gradients())
-        x = torch.randn(2 * self.world_size, DIM)
-        model(x.chunk(self.world_size)[self.rank]).sum().backward()
-        ref_model(x).sum().div(self.world_size).backward()
-        for name, param in model.named_parameters():
-            ref_grad = dict(ref_model.named_parameters())[name].grad
-            self.assertEqual(param.grad.full_tensor(), ref_grad, msg=name)
+        for apply in (
+            lambda m: fully_shard(m, mesh=mesh),
+            lambda m: replicate(m, mesh=mesh),
+        ):
+            torch.manual_seed(0)
+            model = Model()
+            apply(model.lin0)
+            apply(model.lin1)
+            apply(model)
+            modules = [model, model.lin0, model.lin1]
+            self.assertEqual([m.is_fsdp_root() for m in modules], [False] * 3)
+            for module in modules:
+                module.reset_iter_state()  # no-op before lazy init
+            model(torch.randn(2, DIM)).sum().backward()
+            self.assertEqual([m.is_fsdp_root() for m in modules], [True, False, False])
+            model.reset_iter_state()
+            for module in modules[1:]:
+                with self.assertRaisesRegex(RuntimeError, "root FSDP module"):
+                    module.reset_iter_state()
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     DataParallelMeshDims,
@@ -35,7 +37,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
     ShardPlacementResult,
 )
 from torch.distributed.tensor import distribute_tensor, DTensor, Replicate, Shard
-from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    TestCase,
+)
 
 
 sys.path.insert(
@@ -454,7 +461,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
             reshard_after_forward=False,
             reshard_after_backward=False,
         )
-        norm.set_fsdp_policy(grouped)
+        norm.set_fsdp_policy(grouped, recurse=False)
         self.assertEqual(lm_head.get_fsdp_policy(), grouped)
         self.assertEqual(norm.get_fsdp_policy(), grouped)
         (group,) = lm_head._get_fsdp_state()._fsdp_param_groups
@@ -462,13 +469,15 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertTrue(group.reduce_grads)
         self.assertFalse(group.reshard_after_backward)
         self.assertIsNone(group.post_forward_mesh_info)
-        with lm_head.fsdp_policy(requires_gradient_sync=False) as applied:
+        with lm_head.fsdp_policy(
+            requires_gradient_sync=False, recurse=False
+        ) as applied:
             self.assertEqual(
                 applied, dataclasses.replace(grouped, requires_gradient_sync=False)
             )
             self.assertEqual(norm.get_fsdp_policy(), applied)
         self.assertEqual(norm.get_fsdp_policy(), grouped)
-        lm_head.set_fsdp_policy(default)
+        lm_head.set_fsdp_policy(default, recurse=False)
         self.assertEqual(norm.get_fsdp_policy(), default)
         # The other modules were not touched
         self.assertEqual(model.get_fsdp_policy(), default)
@@ -486,10 +495,10 @@ class TestFullyShardPolicy(_PolicyTestBase):
             FSDPPolicy(requires_all_reduce=False, reshard_after_forward=True),
             default,
         ):
-            body.set_fsdp_policy(policy)
+            body.set_fsdp_policy(policy, recurse=False)
             self.assertEqual(body.get_fsdp_policy(), policy)
             self.assertEqual(model.body[0].get_fsdp_policy(), default)
-        with body.fsdp_policy(requires_all_reduce=False) as applied:
+        with body.fsdp_policy(requires_all_reduce=False, recurse=False) as applied:
             self.assertEqual(
                 applied, dataclasses.replace(default, requires_all_reduce=False)
             )
@@ -525,7 +534,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(body.get_fsdp_policy(), default)
         before = _snapshot(model)
         for module in _fsdp_modules(model):
-            module.set_fsdp_policy(module.get_fsdp_policy())
+            module.set_fsdp_policy(module.get_fsdp_policy(), recurse=False)
         with model.fsdp_policy(recurse=True):
             pass
         after = _snapshot(model)
@@ -545,7 +554,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         block0_policy = FSDPPolicy(
             requires_all_reduce=False, reshard_after_forward=False
         )
-        block0.set_fsdp_policy(block0_policy)
+        block0.set_fsdp_policy(block0_policy, recurse=False)
         _loss(model(torch.randn(4, DIM))).backward()  # lazy init
         state_ctx = model._get_fsdp_state()._state_ctx
         self.assertTrue(state_ctx.is_last_backward)
@@ -556,7 +565,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         snapshot = _snapshot(model)
 
         # Keyword: omitted keywords keep the current value; only self changes
-        with block0.fsdp_policy(reshard_after_backward=False) as applied:
+        with block0.fsdp_policy(reshard_after_backward=False, recurse=False) as applied:
             expected = dataclasses.replace(block0_policy, reshard_after_backward=False)
             self.assertEqual(applied, expected)
             self.assertEqual(block0.get_fsdp_policy(), expected)
@@ -569,7 +578,9 @@ class TestFullyShardPolicy(_PolicyTestBase):
 
         # policy=: applied as a whole, then the keywords on top
         given = FSDPPolicy(requires_gradient_sync=False, reshard_after_forward=True)
-        with block0.fsdp_policy(given, reshard_after_backward=False) as applied:
+        with block0.fsdp_policy(
+            given, reshard_after_backward=False, recurse=False
+        ) as applied:
             expected = dataclasses.replace(given, reshard_after_backward=False)
             self.assertEqual(applied, expected)
             self.assertEqual(block0.get_fsdp_policy(), expected)
@@ -592,22 +603,22 @@ class TestFullyShardPolicy(_PolicyTestBase):
             for group in fsdp_param_groups(model):
                 self.assertFalse(group.reduce_grads)
             # Without recurse, only the root would have changed
-        with model.fsdp_policy(requires_gradient_sync=False):
+        with model.fsdp_policy(requires_gradient_sync=False, recurse=False):
             self.assertEqual(block1.get_fsdp_policy(), policies["body.1"])
             self.assertEqual(model.norm.get_fsdp_policy(), policies["norm"])
         self._assert_same_snapshot(snapshot, _snapshot(model), "recurse scope")
 
         # is_last_backward: root-wide, restored; the body may change it too
-        with block1.fsdp_policy(is_last_backward=False) as applied:
+        with block1.fsdp_policy(is_last_backward=False, recurse=False) as applied:
             self.assertEqual(applied, policies["body.1"])
             self.assertFalse(state_ctx.is_last_backward)
             model.set_is_last_backward(False)
         self.assertTrue(state_ctx.is_last_backward)
-        with model.fsdp_policy():
+        with model.fsdp_policy(recurse=False):
             model.set_is_last_backward(False)
         self.assertTrue(state_ctx.is_last_backward)
         model.set_is_last_backward(False)
-        with model.fsdp_policy(is_last_backward=True):
+        with model.fsdp_policy(is_last_backward=True, recurse=False):
             self.assertTrue(state_ctx.is_last_backward)
         self.assertFalse(state_ctx.is_last_backward)
         model.set_is_last_backward(True)
@@ -616,7 +627,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         # Nesting
         with model.fsdp_policy(recurse=True, requires_gradient_sync=False):
             with block0.fsdp_policy(
-                reshard_after_forward=True, requires_gradient_sync=True
+                reshard_after_forward=True, requires_gradient_sync=True, recurse=False
             ) as inner:
                 self.assertEqual(
                     inner,
@@ -651,10 +662,12 @@ class TestFullyShardPolicy(_PolicyTestBase):
                 recurse=True,
                 is_last_backward=False,
             ):
-                with block0.fsdp_policy(reshard_after_forward=False):
+                with block0.fsdp_policy(reshard_after_forward=False, recurse=False):
                     # Setters inside the body are undone too
                     model.set_requires_gradient_sync(True)
-                    block1.set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+                    block1.set_fsdp_policy(
+                        FSDPPolicy(reshard_after_forward=False), recurse=False
+                    )
                     raise _Boom
         self.assertTrue(state_ctx.is_last_backward)
         self.assertEqual(fsdp_policies(model), policies)
@@ -691,113 +704,89 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(counter["reduce_scatter"], num_groups)
         self._assert_same_snapshot(snapshot, _snapshot(model), "after training")
 
-    def test_is_last_backward_before_lazy_init(self):
+    def test_is_last_backward_scope_before_lazy_init(self):
         """
-        ``fsdp_policy(is_last_backward=False)`` on a non-root module whose
-        first forward (lazy init) runs inside the scope: the root reads
-        ``False`` inside and its own value is back on exit, also when the root
-        had set another value and when scopes nest. Revision 1 wrote the value
-        to a state context that lazy init replaced, so the root read ``True``.
+        ``is_last_backward`` is root-wide. A scope that sets it on the root
+        before the first forward (lazy init) is in force for that forward and
+        restored on exit. A scope that sets it on a non-root module when the
+        root's first forward runs inside it would be lost (lazy init replaces
+        that module's state context), so that forward raises ``RuntimeError``
+        before lazy init changes anything, and the next forward after the
+        scope trains normally. A non-root scope that does not set it keeps
+        the root's value. Revision 2 carried such scopes over with a counter
+        and a sorted merge.
         """
+        local_inputs = _local_inputs(self.rank, 1, seed=5)
+        all_inputs = _all_inputs(local_inputs)
         for root_value in (True, False):
             torch.manual_seed(0)
             model = _shard(Model())
-            block0, block1 = model.body
             root_ctx = model._get_fsdp_state()._state_ctx
             model.set_is_last_backward(root_value)
-            inp = torch.randn(4, DIM)
-            with block0.fsdp_policy(is_last_backward=False):
-                with block1.fsdp_policy(is_last_backward=True):
-                    out = model(inp)
-                    self.assertIs(block0._get_fsdp_state()._state_ctx, root_ctx)
-                    self.assertTrue(root_ctx.is_last_backward)
-                self.assertFalse(root_ctx.is_last_backward)
-                _loss(out).backward()
-                self.assertFalse(root_ctx.is_last_backward)
+            with model.fsdp_policy(is_last_backward=not root_value, recurse=False):
+                model(local_inputs[0])
+                self.assertIs(model.body[0]._get_fsdp_state()._state_ctx, root_ctx)
+                self.assertEqual(root_ctx.is_last_backward, not root_value)
             self.assertEqual(root_ctx.is_last_backward, root_value)
-            self.assertEqual(root_ctx.is_last_backward_stack, [])
-            # A scope without the keyword carries no value over
+            model.reset_iter_state()
+
             torch.manual_seed(0)
-            model = _shard(Model())
+            model = Model()
+            ref_model = copy.deepcopy(model)
+            _shard(model)
             root_ctx = model._get_fsdp_state()._state_ctx
             model.set_is_last_backward(root_value)
-            with model.body[0].fsdp_policy(reshard_after_backward=False):
-                _loss(model(inp)).backward()
-                self.assertEqual(root_ctx.is_last_backward, root_value)
+            with model.body[0].fsdp_policy(is_last_backward=False, recurse=False):
+                with self.assertRaisesRegex(
+                    RuntimeError, "is_last_backward.*not the root FSDP module"
+                ):
+                    model(local_inputs[0])
+            for module in _fsdp_modules(model):
+                self.assertIsNone(module._get_fsdp_state()._is_root)
             self.assertEqual(root_ctx.is_last_backward, root_value)
-            self.assertEqual(root_ctx.is_last_backward_stack, [])
+            model.set_is_last_backward(True)
+            with model.body[1].fsdp_policy(reshard_after_forward=False, recurse=False):
+                _loss(model(local_inputs[0])).backward()
+                self.assertTrue(root_ctx.is_last_backward)
+            ref_inp = torch.cat([inputs[0] for inputs in all_inputs])
+            _loss(ref_model(ref_inp)).backward()
+            self.assertFalse(model.has_pending_gradients())
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref_model.parameters()
+            ):
+                self.assertEqual(param.grad.full_tensor(), ref_param.grad, msg=name)
 
-    def test_is_last_backward_root_and_non_root_scopes_before_lazy_init(self):
+    def test_recurse_is_required(self):
         """
-        ``fsdp_policy(is_last_backward=...)`` scopes open on the root and on a
-        non-root module across the first forward (lazy init) nest in the order
-        they were entered, whichever of them is outside: the inner scope's
-        value is in force and each exit restores the value from before that
-        scope. Revision 2 appended the non-root's scopes after the root's, so
-        with the non-root scope outside, the root read the outer ``False``
-        inside the inner scope and each exit restored the other scope's value.
-        A backward finalizes only where ``True`` is in force (nothing is left
-        pending), and the accumulated gradients and the parameters after SGD
-        steps match a single-process reference.
+        ``recurse`` has no default for ``set_fsdp_policy`` and ``fsdp_policy``:
+        omitting it raises ``TypeError`` before anything changes, so moving
+        from ``set_requires_gradient_sync(False)`` (``recurse=True`` by
+        default) to the value API cannot silently keep reducing the children.
+        With ``recurse=True`` the scope reduces nothing, like the setter.
+        Revision 2 defaulted to ``recurse=False``: 3 reduce-scatters instead
+        of 0.
         """
-        num_steps = 4
-        local_inputs = _local_inputs(self.rank, num_steps, seed=5)
-        all_inputs = _all_inputs(local_inputs)
-        for outer_on_root in (False, True):
-            for root_value in (True, False):
-                where = f"outer scope on root: {outer_on_root}, root: {root_value}"
-                torch.manual_seed(0)
-                model = Model()
-                ref_model = copy.deepcopy(model)
-                _shard(model)
-                optim = torch.optim.SGD(model.parameters(), lr=0.1)
-                ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-                outer, inner = (
-                    (model, model.body[0]) if outer_on_root else (model.body[0], model)
-                )
-                model.set_is_last_backward(root_value)
-
-                def train_step(step: int) -> None:
-                    _loss(model(local_inputs[step])).backward()
-                    ref_inp = torch.cat([inputs[step] for inputs in all_inputs])
-                    _loss(ref_model(ref_inp)).backward()
-
-                def root_ctx() -> Any:
-                    return model._get_fsdp_state()._state_ctx
-
-                with outer.fsdp_policy(is_last_backward=False):
-                    with inner.fsdp_policy(is_last_backward=True):
-                        train_step(0)  # lazy init
-                        self.assertIs(
-                            model.body[0]._get_fsdp_state()._state_ctx, root_ctx()
-                        )
-                        self.assertTrue(root_ctx().is_last_backward, where)
-                        self.assertFalse(model.has_pending_gradients(), where)
-                    self.assertFalse(root_ctx().is_last_backward, where)
-                    train_step(1)
-                    self.assertTrue(model.has_pending_gradients(), where)
-                self.assertEqual(root_ctx().is_last_backward, root_value, where)
-                self.assertEqual(root_ctx().is_last_backward_stack, [], where)
-                model.set_is_last_backward(True)
-                train_step(2)
-                self.assertFalse(model.has_pending_gradients(), where)
-                for step in range(num_steps - 1, num_steps + 1):
-                    if step == num_steps:
-                        train_step(step - 1)
-                    for (name, param), ref_param in zip(
-                        model.named_parameters(), ref_model.parameters()
-                    ):
-                        self.assertEqual(
-                            param.grad.full_tensor(),
-                            ref_param.grad,
-                            msg=f"{where}: {name}",
-                        )
-                    optim.step()
-                    ref_optim.step()
-                    optim.zero_grad()
-                    ref_optim.zero_grad()
-                for param, ref_param in zip(model.parameters(), ref_model.parameters()):
-                    self.assertEqual(param.full_tensor(), ref_param, msg=where)
+        torch.manual_seed(0)
+        model = _shard(Model())
+        before = _snapshot(model)
+        with self.assertRaisesRegex(TypeError, "recurse"):
+            model.set_fsdp_policy(FSDPPolicy())
+        with self.assertRaisesRegex(TypeError, "recurse"):
+            with model.fsdp_policy(requires_gradient_sync=False):
+                pass
+        self._assert_same_snapshot(before, _snapshot(model), "missing recurse")
+        counter = CollectiveCounter()
+        inp = torch.randn(4, DIM)
+        with model.fsdp_policy(requires_gradient_sync=False, recurse=True):
+            with counter.count():
+                self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], 0)
+        model.set_requires_gradient_sync(False)
+        counter.reset()
+        with counter.count():
+            self._train_step(model, inp)
+        self.assertEqual(counter["reduce_scatter"], 0)
+        model.set_requires_gradient_sync(True)
 
     def test_recurse_and_int_1(self):
         """
@@ -982,23 +971,25 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             before = _snapshot(model)
             with _count_mesh_and_group_creation() as created:
                 for module in _fsdp_modules(model):
-                    module.set_fsdp_policy(module.get_fsdp_policy())
+                    module.set_fsdp_policy(module.get_fsdp_policy(), recurse=False)
                 if root_reshard_after_forward == 2:
                     # Uniform policy: recurse=True on the root is a round trip
                     model.set_fsdp_policy(model.get_fsdp_policy(), recurse=True)
                     with model.fsdp_policy(recurse=True) as applied:
                         self.assertEqual(applied, int_policy)
                 # int -> False -> int reuses the cached post-forward mesh
-                block0.set_fsdp_policy(FSDPPolicy(reshard_after_forward=False))
+                block0.set_fsdp_policy(
+                    FSDPPolicy(reshard_after_forward=False), recurse=False
+                )
                 self.assertIsNone(group0.post_forward_mesh_info)
                 self.assertEqual(
                     block0.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=False)
                 )
-                block0.set_fsdp_policy(int_policy)
+                block0.set_fsdp_policy(int_policy, recurse=False)
                 self.assertIs(group0.post_forward_mesh_info, post_forward)
-                with block1.fsdp_policy(reshard_after_forward=True):
+                with block1.fsdp_policy(reshard_after_forward=True, recurse=False):
                     pass
-                with block1.fsdp_policy(reshard_after_forward=None):
+                with block1.fsdp_policy(reshard_after_forward=None, recurse=False):
                     pass
                 with model.fsdp_policy(recurse=True, reshard_after_forward=False):
                     pass
@@ -1032,9 +1023,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             before = _snapshot(model)
             with _count_mesh_and_group_creation() as created:
                 with self.assertRaisesRegex(ValueError, "fully_shard"):
-                    model.set_fsdp_policy(int_policy)
+                    model.set_fsdp_policy(int_policy, recurse=False)
                 with self.assertRaisesRegex(ValueError, "fully_shard"):
-                    with model.fsdp_policy(reshard_after_forward=2):
+                    with model.fsdp_policy(reshard_after_forward=2, recurse=False):
                         pass
             self.assertEqual(created["mesh"], 0)
             self.assertEqual(created["group"], 0)
@@ -1042,10 +1033,10 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             self.assertIsNone(root_group.post_forward_mesh_info)
 
         # Normalisation: the shard mesh size reads True, 1 reads False
-        with block0.fsdp_policy(reshard_after_forward=4) as applied:
+        with block0.fsdp_policy(reshard_after_forward=4, recurse=False) as applied:
             self.assertEqual(applied, FSDPPolicy(reshard_after_forward=True))
             self.assertIs(group0.post_forward_mesh_info, group0.mesh_info)
-        with block0.fsdp_policy(reshard_after_forward=1) as applied:
+        with block0.fsdp_policy(reshard_after_forward=1, recurse=False) as applied:
             self.assertEqual(applied, FSDPPolicy(reshard_after_forward=False))
             self.assertIsNone(group0.post_forward_mesh_info)
         self.assertIs(group0.post_forward_mesh_info, post_forward)
@@ -1095,7 +1086,8 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                         block0.set_fsdp_policy(
                             dataclasses.replace(
                                 block0.get_fsdp_policy(), reshard_after_forward=2
-                            )
+                            ),
+                            recurse=False,
                         )
                     with self.assertRaisesRegex(ValueError, expected, msg=where):
                         with model.fsdp_policy(recurse=True, reshard_after_forward=2):
@@ -1140,7 +1132,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 for value in (2, 4):
                     with self.assertRaisesRegex(ValueError, "SPMD mesh"):
                         model[0].set_fsdp_policy(
-                            FSDPPolicy(reshard_after_forward=value)
+                            FSDPPolicy(reshard_after_forward=value), recurse=False
                         )
                     with self.assertRaisesRegex(ValueError, "SPMD mesh"):
                         with model.fsdp_policy(
@@ -1182,7 +1174,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             counter.reset()
             with _count_mesh_and_group_creation() as created, counter.count():
                 for block in blocks:
-                    block.set_fsdp_policy(FSDPPolicy(reshard_after_forward=forward_raf))
+                    block.set_fsdp_policy(
+                        FSDPPolicy(reshard_after_forward=forward_raf), recurse=False
+                    )
                 out = model(local_inputs[step])
                 for block, group, int_mesh_info in zip(blocks, groups, int_mesh_infos):
                     weight = block.lin.weight
@@ -1205,7 +1199,7 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                         )
                 for block in blocks:
                     block.set_fsdp_policy(
-                        FSDPPolicy(reshard_after_forward=backward_raf)
+                        FSDPPolicy(reshard_after_forward=backward_raf), recurse=False
                     )
                 for group in groups:
                     for fsdp_param in group.fsdp_params:
@@ -1301,7 +1295,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
             with model.fsdp_policy(recurse=False, reshard_after_forward=4) as applied:
                 self.assertEqual(applied.reshard_after_forward, True)
             with self.assertRaises(ValueError):
-                model.body[2].set_fsdp_policy(FSDPPolicy(reshard_after_forward=4))
+                model.body[2].set_fsdp_policy(
+                    FSDPPolicy(reshard_after_forward=4), recurse=False
+                )
             check_unchanged("valid then invalid")
 
             # Type errors
@@ -1368,18 +1364,18 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                 model.get_fsdp_policy()
             # Entering a scope reads the policy, so it raises before changing
             with self.assertRaisesRegex(ValueError, "different policies"):
-                with model.fsdp_policy(requires_gradient_sync=False):
+                with model.fsdp_policy(requires_gradient_sync=False, recurse=False):
                     pass
             self.assertEqual(getattr(groups[1], field), value)
             self.assertTrue(groups[0].reduce_grads)
             # Applying a policy makes the groups agree again
-            model.set_fsdp_policy(policy)
+            model.set_fsdp_policy(policy, recurse=False)
             self.assertEqual(model.get_fsdp_policy(), policy)
             self.assertEqual(getattr(groups[1], field), original)
 
         # Both groups follow set/scope
         with model.fsdp_policy(
-            requires_gradient_sync=False, reshard_after_forward=False
+            requires_gradient_sync=False, reshard_after_forward=False, recurse=False
         ):
             for group in groups:
                 self.assertFalse(group.reduce_grads)
@@ -1437,7 +1433,9 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
         self._round_trip(model, recurse=False, where="before lazy init")
         with _count_mesh_and_group_creation() as created:
             for raf in (True, False, None):
-                model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=raf))
+                model.set_fsdp_policy(
+                    FSDPPolicy(reshard_after_forward=raf), recurse=False
+                )
                 self.assertEqual(
                     model.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=raf)
                 )
@@ -1449,14 +1447,14 @@ class TestFullyShardPolicyWorld4(_PolicyTestBase):
                         self.assertIs(
                             group.post_forward_mesh_info, group.mesh_info, raf
                         )
-                model.set_fsdp_policy(int_policy)
+                model.set_fsdp_policy(int_policy, recurse=False)
                 check_int_policy(f"back from {raf}")
             # The pristine setter keeps the state's value too
             model.set_reshard_after_forward(True)
             self.assertEqual(
                 model.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=True)
             )
-            model.set_fsdp_policy(int_policy)
+            model.set_fsdp_policy(int_policy, recurse=False)
         self.assertEqual(created["mesh"], 0)
         self.assertEqual(created["group"], 0)
         check_int_policy("after switching")
@@ -1647,21 +1645,241 @@ class TestFullyShardPolicyParameterless(_PolicyTestBase):
             model.set_fsdp_policy(FSDPPolicy(reshard_after_forward=3), recurse=True)
         self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
         # Through set_fsdp_policy on the parameterless module itself
-        for value, expected in ((4, True), (1, False), (2, 2)):
-            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=value))
+        for value, expected in ((4, True), (1, False)):
+            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=value), recurse=False)
             self.assertEqual(
                 body.get_fsdp_policy(),
                 FSDPPolicy(reshard_after_forward=expected),
                 f"reshard_after_forward={value}",
             )
-        body.set_fsdp_policy(FSDPPolicy())
+        body.set_fsdp_policy(FSDPPolicy(), recurse=False)
+        # Like a module with parameters, only the int it was built with:
+        # revision 2 accepted 2 here, which a module with parameters refuses
+        with self.assertRaisesRegex(ValueError, "not the int this module was given"):
+            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=2), recurse=False)
+        self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
+        built_with_2 = fully_shard(nn.Sequential(), mesh=mesh, reshard_after_forward=2)
+        for value in (2, True, False, None, 2):
+            built_with_2.set_fsdp_policy(
+                FSDPPolicy(reshard_after_forward=value), recurse=False
+            )
+            self.assertEqual(
+                built_with_2.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=value)
+            )
         with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
-            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=3))
+            body.set_fsdp_policy(FSDPPolicy(reshard_after_forward=3), recurse=False)
         self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
         with self.assertRaisesRegex(ValueError, "reshard_after_forward|factor"):
-            with body.fsdp_policy(reshard_after_forward=3):
+            with body.fsdp_policy(reshard_after_forward=3, recurse=False):
                 pass
         self.assertEqual(body.get_fsdp_policy(), FSDPPolicy())
+
+
+# ---------------------------------------------------------------------------
+# replicate(): ReplicateModule is an FSDPModule
+# ---------------------------------------------------------------------------
+def _replicate(model: Model, *, replicate_body: bool = False) -> Model:
+    """``replicate`` each block, optionally the parameterless ``body``, then the root."""
+    for block in model.body:
+        replicate(block)
+    if replicate_body:
+        replicate(model.body)
+    replicate(model)
+    return model
+
+
+class TestFullyShardPolicyReplicate(_PolicyTestBase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_replicate_policy_round_trip(self):
+        """
+        Every module of a ``replicate()``d tree (blocks, a parameterless
+        container, the root) has a policy, before and after lazy init:
+        ``reshard_after_forward`` reads ``False`` (replicate never reshards),
+        it round-trips exactly, and ``reshard_after_forward=True`` or an
+        ``int`` raises ``ValueError`` naming the module type, with nothing
+        changed. Revision 2 raised ``ValueError`` from ``get_fsdp_policy()``
+        on every module with parameters.
+        """
+        torch.manual_seed(0)
+        model = _replicate(Model(), replicate_body=True)
+        expected = FSDPPolicy(reshard_after_forward=False)
+        inp = torch.randn(4, DIM)
+        for where in ("before lazy init", "after lazy init"):
+            for name, policy in fsdp_policies(model).items():
+                self.assertEqual(policy, expected, f"{where}: {name!r}")
+            self._round_trip(model, recurse=False, where=where)
+            self._round_trip(model, recurse=True, where=where)
+            before = _snapshot(model)
+            for value in (True, 2):
+                for module, type_name in (
+                    (model, "ReplicateModel"),
+                    (model.body, "ReplicateSequential"),
+                    (model.body[0], "ReplicateBlock"),
+                ):
+                    with self.assertRaisesRegex(ValueError, type_name):
+                        module.set_fsdp_policy(
+                            FSDPPolicy(reshard_after_forward=value), recurse=False
+                        )
+                with self.assertRaisesRegex(ValueError, "ReplicateModel"):
+                    with model.fsdp_policy(reshard_after_forward=value, recurse=True):
+                        pass
+            self._assert_same_snapshot(before, _snapshot(model), where)
+            _loss(model(inp)).backward()
+        # None is FSDP's automatic choice, which for replicate is no reshard
+        model.set_fsdp_policy(FSDPPolicy(), recurse=True)
+        self.assertEqual(model.get_fsdp_policy(), FSDPPolicy())
+        model.set_fsdp_policy(expected, recurse=True)
+        self.assertEqual(set(fsdp_policies(model).values()), {expected})
+
+    @parametrize("field", ["requires_gradient_sync", "requires_all_reduce"])
+    def test_replicate_no_sync_accumulation(self, field: str):
+        """
+        ``fsdp_policy(<field>=False, recurse=True)`` on a ``replicate()``d
+        model accumulates without any all-reduce; the next backward reduces
+        once per group, and two optimizer steps match a single-process
+        reference. ``requires_all_reduce`` is the flag that matters for
+        replicate (it has no reduce-scatter).
+        """
+        num_steps, num_microbatches = 2, 2
+        local_inputs = _local_inputs(self.rank, num_steps * num_microbatches, seed=7)
+        all_inputs = _all_inputs(local_inputs)
+        torch.manual_seed(0)
+        model = Model()
+        ref_model = copy.deepcopy(model)
+        _replicate(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        num_groups = len(fsdp_param_groups(model))
+        policies = fsdp_policies(model)
+        counter = CollectiveCounter()
+        for step in range(num_steps):
+            for microbatch in range(num_microbatches):
+                index = step * num_microbatches + microbatch
+                last = microbatch == num_microbatches - 1
+                counter.reset()
+                with counter.count():
+                    if last:
+                        _loss(model(local_inputs[index])).backward()
+                    else:
+                        with model.fsdp_policy(recurse=True, **{field: False}):
+                            _loss(model(local_inputs[index])).backward()
+                self.assertEqual(
+                    counter["all_reduce"], num_groups if last else 0, f"{index}"
+                )
+                self.assertEqual(fsdp_policies(model), policies)
+                ref_inp = torch.cat([inputs[index] for inputs in all_inputs])
+                _loss(ref_model(ref_inp)).backward()
+            self._check_grads_and_step(model, ref_model, optim, ref_optim, f"{step}")
+
+
+# ---------------------------------------------------------------------------
+# The per-field setters are 2.15.0's, for every input 2.15.0 accepted
+# ---------------------------------------------------------------------------
+# What each setter writes to a parameter group, as 2.15.0 does
+_SETTER_FIELDS = {
+    "set_requires_gradient_sync": ("reduce_grads", "all_reduce_grads"),
+    "set_requires_all_reduce": ("all_reduce_grads",),
+    "set_reshard_after_backward": ("reshard_after_backward",),
+}
+_SETTER_POLICY_FIELDS = {
+    "set_requires_gradient_sync": ("requires_gradient_sync", "requires_all_reduce"),
+    "set_requires_all_reduce": ("requires_all_reduce",),
+    "set_reshard_after_backward": ("reshard_after_backward",),
+}
+# Values 2.15.0 accepts: it stores them and FSDP tests their truth
+_BOOL_LIKE_VALUES = (np.bool_(False), np.bool_(True), 0, 1, None, False, True)
+
+
+class TestFullyShardOldSetters(_PolicyTestBase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _build(self, kind: str) -> Model:
+        torch.manual_seed(0)
+        if kind == "replicate":
+            return _replicate(Model(), replicate_body=True)
+        return _shard(Model(), shard_body=True)
+
+    @parametrize("kind", ["fully_shard", "replicate"])
+    @parametrize("setter", sorted(_SETTER_FIELDS))
+    def test_setter_bool_like(self, setter: str, kind: str):
+        """
+        ``numpy.bool_``, ``0``/``1`` and ``None`` are accepted by every flag
+        setter as in 2.15.0, on states with parameters (stored as given) and
+        without (the parameterless ``body``), on the root and recursively;
+        ``get_fsdp_policy()`` then reads the value FSDP acts on, never raises,
+        and round-trips. Revision 2 raised ``TypeError`` on the parameterless
+        state after changing the modules before it, and a non-bool stored on
+        a state with parameters made ``get_fsdp_policy()`` raise.
+        """
+        for value in _BOOL_LIKE_VALUES:
+            for recurse in (True, False):
+                where = f"{setter}({value!r}, recurse={recurse})"
+                model = self._build(kind)
+                targets = _fsdp_modules(model) if recurse else [model.body, model]
+                for target in [model] if recurse else targets:
+                    getattr(target, setter)(value, recurse=recurse)
+                for module in targets:
+                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                        for field in _SETTER_FIELDS[setter]:
+                            self.assertIs(getattr(group, field), value, where)
+                    policy = module.get_fsdp_policy()
+                    for field in _SETTER_POLICY_FIELDS[setter]:
+                        self.assertIs(getattr(policy, field), bool(value), where)
+                    module.set_fsdp_policy(policy, recurse=False)
+                    self.assertEqual(module.get_fsdp_policy(), policy, where)
+                # FSDP acts on the value as 2.15.0 does: one training step
+                _loss(model(torch.randn(4, DIM))).backward()
+                for name, policy in fsdp_policies(model).items():
+                    self.assertIsInstance(policy, FSDPPolicy, f"{where}: {name!r}")
+
+    @parametrize("kind", ["fully_shard", "replicate"])
+    def test_set_is_last_backward_bool_like(self, kind: str):
+        """
+        ``set_is_last_backward`` stores what it is given, as in 2.15.0, and an
+        ``fsdp_policy`` scope restores that very object.
+        """
+        model = self._build(kind)
+        state_ctx = model._get_fsdp_state()._state_ctx
+        for value in _BOOL_LIKE_VALUES:
+            model.set_is_last_backward(value)
+            self.assertIs(state_ctx.is_last_backward, value)
+            with model.fsdp_policy(is_last_backward=True, recurse=True):
+                pass
+            self.assertIs(state_ctx.is_last_backward, value)
+            fsdp_policies(model)  # does not raise
+
+    def test_set_reshard_after_forward_replicate_changes_nothing(self):
+        """
+        ``set_reshard_after_forward`` on a ``replicate()``d tree raises
+        ``AssertionError`` as in 2.15.0 (replicate cannot reshard), now
+        before changing any module, so every policy still reads and
+        round-trips. Revision 2 (and 2.15.0) changed the modules visited
+        before the first one with parameters.
+        """
+        model = self._build("replicate")
+        before = _snapshot(model)
+        policies = fsdp_policies(model)
+        for value in (True, False):
+            with self.assertRaises(AssertionError):
+                model.set_reshard_after_forward(value)
+            self._assert_same_snapshot(before, _snapshot(model), f"{value}")
+            self.assertEqual(fsdp_policies(model), policies)
+        # The parameterless container alone: nothing to reshard, so it reads
+        # what replicate does
+        model.body.set_reshard_after_forward(True, recurse=False)
+        self.assertEqual(
+            model.body.get_fsdp_policy(), FSDPPolicy(reshard_after_forward=False)
+        )
+        model.body.set_fsdp_policy(model.body.get_fsdp_policy(), recurse=False)
+
+
+instantiate_parametrized_tests(TestFullyShardPolicyReplicate)
+instantiate_parametrized_tests(TestFullyShardOldSetters)
 
 
 if __name__ == "__main__":
