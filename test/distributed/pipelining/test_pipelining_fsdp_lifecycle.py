@@ -160,30 +160,6 @@ def make_chunked_loss(
     return loss_fn
 
 
-def pending_fsdp_state(module: nn.Module) -> list[str]:
-    """What FSDP still holds from a backward, as readable strings."""
-    pending = []
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        for group in state._fsdp_param_groups:
-            name = group._module_fqn or "<root>"
-            if group._post_backward_pending:
-                pending.append(f"{name}: post-backward pending")
-            if group._partial_reduce_output is not None:
-                pending.append(f"{name}: partial reduce output")
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    pending.append(f"{name}: unsharded grad")
-                if fsdp_param.sharded_param.grad is not None:
-                    pending.append(f"{name}: sharded grad")
-        if state._state_ctx.iter_forward_root is not None:
-            pending.append("iter_forward_root")
-    return pending
-
-
 class PipelineBuild:
     """One PP2 x DP2 pipeline with FSDP stages and its reference model."""
 

@@ -339,9 +339,13 @@ class TestPipelineStepWorld2(_Base):
                 replace(module.get_fsdp_policy(), **{field: value}), recurse=False
             )
 
+        in_finalizing_step = [False]
         if case == "raf_in_loss":
+            # The loss changes a field the step does not own, during the
+            # finalizing step only
             def loss_with_policy_change(out, target):
-                set_field(self.modules[self.last].blocks[0])
+                if in_finalizing_step[0]:
+                    set_field(self.modules[self.last].blocks[0])
                 return loss_fn(out, target)
             sched._loss_fn = loss_with_policy_change
         for it in range(2):
@@ -358,7 +362,9 @@ class TestPipelineStepWorld2(_Base):
                 for m in fsdp_modules:
                     set_field(m)
                 expected = {id(m): m.get_fsdp_policy() for m in fsdp_modules}
+            in_finalizing_step[0] = True
             self._run_step(sched, *b)
+            in_finalizing_step[0] = False
             self.assertFalse(stage_mod.has_pending_gradients(), msg=case)
             # Every group was resharded: the registered parameters are sharded
             for m in fsdp_modules:
