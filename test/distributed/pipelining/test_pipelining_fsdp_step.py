@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -113,18 +113,14 @@ class _Base(MultiProcessTestCase):
         """Stages of this rank, their schedule, the reference model and the
         map from stage modules to reference modules."""
         schedule_cls, per_rank = SCHEDULES[schedule]
-        num_stages = self.world_size * per_rank
+        pp_size, pp_rank, pp_group, mesh = self._meshes(dp)
+        num_stages = pp_size * per_rank
         torch.manual_seed(0)
         reference = nn.ModuleList([StageModule() for _ in range(num_stages)])
         if schedule in V_SCHEDULES:
-            stage_ids = [self.rank, num_stages - 1 - self.rank]
+            stage_ids = [pp_rank, num_stages - 1 - pp_rank]
         else:
-            stage_ids = [self.rank + i * self.world_size for i in range(per_rank)]
-        mesh = (
-            init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("pp", "dp"))["dp"]
-            if dp != "none"
-            else None
-        )
+            stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
         stages, modules = [], {}
         for idx in stage_ids:
             module = copy.deepcopy(reference[idx])
@@ -138,7 +134,9 @@ class _Base(MultiProcessTestCase):
                 for block in module.blocks:
                     fully_shard(block, mesh=mesh)
             modules[idx] = module
-            stages.append(PipelineStage(module, idx, num_stages, torch.device("cpu")))
+            stages.append(
+                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
+            )
         last = num_stages - 1
 
         def loss_fn(out, target):
@@ -153,6 +151,16 @@ class _Base(MultiProcessTestCase):
         self.modules, self.reference, self.last = modules, reference, last
         self.aux_loss = aux_loss
         return sched
+
+    def _meshes(self, dp: str):
+        """``(pp_size, pp_rank, pp_group, data-parallel mesh)``: one stage
+        rank per rank, data parallelism of degree 1."""
+        mesh = (
+            init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("pp", "dp"))["dp"]
+            if dp != "none"
+            else None
+        )
+        return self.world_size, self.rank, None, mesh
 
     def _data(self, seed: int):
         gen = torch.Generator().manual_seed(seed)
@@ -272,7 +280,7 @@ class TestPipelineStepWorld2(_Base):
         self._reference_grads([(x, y)])
         self._assert_grads_match("after eval")
 
-    @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+    @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"])
     @parametrize("aux_loss", [False, True])
     def test_replicate_stages_train(self, schedule: str, aux_loss: bool):
         """Finding 1: replicate() stage modules train as on 2.15.0 (revision 2
@@ -526,6 +534,58 @@ class TestPipelineStepWorld1(_Base):
                 self.assertTrue(torch.equal(clean_grads[name], grads[name]), msg=f"{msg} {name}")
 
 
+class TestPipelineStepHSDP(_Base):
+    """pp 2 x replicate 2 x shard 1: HSDP whose replica all-reduce moves data."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _meshes(self, dp: str):
+        mesh = init_device_mesh(
+            "cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard")
+        )
+        self.replica_rank = mesh["replicate"].get_local_rank()
+        return 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[
+            "replicate", "shard"
+        ]
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_hsdp_finalizing_step_all_reduces_and_restores(self, schedule: str):
+        """Findings 2 and 9 under HSDP: with the caller's
+        requires_all_reduce=False (and gradient sync off) left over, a
+        finalizing step still reduces across replicas as 2.15.0 did (the
+        gradients equal the reference over both replicas' data), the caller's
+        policy is back after every step, and accumulation works."""
+        sched = self._build(schedule, "fsdp")
+        fsdp_modules = [m for module in self.modules.values() for m in module.modules()
+                        if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.set_fsdp_policy(
+                replace(m.get_fsdp_policy(), requires_all_reduce=False,
+                        requires_gradient_sync=False),
+                recurse=False,
+            )
+        caller = [m.get_fsdp_policy() for m in fsdp_modules]
+        for it in range(2):
+            batches = []
+            for finalize in (False, True):
+                gen = torch.Generator().manual_seed(10 * it + finalize)
+                x = torch.randn(2 * BATCH, DIM, generator=gen)
+                y = torch.randn(2 * BATCH, DIM, generator=gen)
+                halves = list(zip(x.chunk(2), y.chunk(2)))
+                batches.extend(halves)
+                self._run_step(sched, *halves[self.replica_rank], finalize_gradients=finalize)
+                self.assertEqual([m.get_fsdp_policy() for m in fsdp_modules], caller)
+            self._reference_grads(batches)
+            for p_ref in self.reference.parameters():
+                if p_ref.grad is not None:
+                    p_ref.grad.div_(2)  # mean over the two replicas
+            self._assert_grads_match(f"{schedule} hsdp step {it}")
+            self._optimizer_step()
+
+
+instantiate_parametrized_tests(TestPipelineStepHSDP)
 instantiate_parametrized_tests(TestPipelineStepWorld2)
 instantiate_parametrized_tests(TestPipelineStepWorld1)
 
