@@ -2,9 +2,9 @@
 """
 Pipelining with FSDP2 stages whose loss runs backward inside the forward action
 (a chunked loss on the last stage written with ``partial_backward`` and
-``finish_forward``): no-sync from the step entry with exact policy restore, one
-reduce-scatter per FSDP group per finalized step, and an FSDP reset after
-metadata inference (pytorch/pytorch#203178).
+``finish_forward``): no-sync from the step entry, the caller's policy restored
+after every step, one reduce-scatter per FSDP group per finalized step, and an
+FSDP reset after metadata inference (pytorch/pytorch#203178).
 
 World 4 = PP2 x FSDP2 (or PP2 x HSDP(1, 2)), gloo on CPU.
 """
