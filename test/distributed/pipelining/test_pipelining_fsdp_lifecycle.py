@@ -2,9 +2,9 @@
 """
 Pipelining with FSDP2 stages whose loss runs backward inside the forward action
 (a chunked loss on the last stage written with ``partial_backward`` and
-``finish_forward``): no-sync from the step entry with exact policy restore, one
-reduce-scatter per FSDP group per finalized step, and an FSDP reset after
-metadata inference (pytorch/pytorch#203178).
+``finish_forward``): no-sync from the step entry, the caller's policy restored
+after every step, one reduce-scatter per FSDP group per finalized step, and an
+FSDP reset after metadata inference (pytorch/pytorch#203178).
 
 World 4 = PP2 x FSDP2 (or PP2 x HSDP(1, 2)), gloo on CPU.
 """
@@ -14,7 +14,6 @@ import copy
 import datetime
 import os
 import sys
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -159,30 +158,6 @@ def make_chunked_loss(
         return surrogate - surrogate.detach() + total
 
     return loss_fn
-
-
-def pending_fsdp_state(module: nn.Module) -> list[str]:
-    """What FSDP still holds from a backward, as readable strings."""
-    pending = []
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        for group in state._fsdp_param_groups:
-            name = group._module_fqn or "<root>"
-            if group._post_backward_pending:
-                pending.append(f"{name}: post-backward pending")
-            if group._partial_reduce_output is not None:
-                pending.append(f"{name}: partial reduce output")
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    pending.append(f"{name}: unsharded grad")
-                if fsdp_param.sharded_param.grad is not None:
-                    pending.append(f"{name}: sharded grad")
-        if state._state_ctx.iter_forward_root is not None:
-            pending.append("iter_forward_root")
-    return pending
 
 
 class PipelineBuild:
@@ -448,137 +423,13 @@ class TestPipeliningFSDPLifecycle(PipelineFSDPTestBase):
             build.check_grads_and_update(self)
         # Accumulation: a non-finalized step then a finalized one
         counts.append(build.step(2, finalize_gradients=False))
-        self.assertEqual(build.policies()[0].requires_gradient_sync, False)
+        # The caller's policy is in force between any two steps
+        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
         counts.append(build.step(3))
         self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
         build.check_grads_and_update(self)
         expected = [build.num_groups, build.num_groups, 0, build.num_groups]
         self.assertEqual(counts, expected, msg=f"{schedule_name} rank {self.rank}")
-
-    def test_unreduced_group_is_scaled_by_the_reducing_finalization(self):
-        """
-        A finalized step whose restored policy has requires_gradient_sync=False
-        reduces nothing (HSDP's requires_all_reduce stays as the caller set
-        it); the next finalized step reduces and scales the accumulated
-        gradients once.
-        """
-        self.run_subtests(
-            {"schedule_name": ["1f1b", "interleaved_1f1b"], "hsdp": [False, True]},
-            self._test_unreduced_group,
-        )
-
-    def _test_unreduced_group(self, schedule_name: str, hsdp: bool) -> None:
-        no_sync = FSDPPolicy(requires_gradient_sync=False, requires_all_reduce=False)
-        build = PipelineBuild(self.rank, schedule_name, "grouped", hsdp, no_sync)
-        self.assertEqual(build.step(0), 0)
-        self.assertEqual(build.policies(), [no_sync] * len(build.fsdp_modules))
-        for m in build.fsdp_modules:
-            m.set_fsdp_policy(FSDPPolicy())
-        self.assertEqual(build.step(1), build.num_groups)
-        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
-        build.check_grads_and_update(self)
-
-    def test_hsdp_all_reduce_off_restored_after_finalized_step(self):
-        """
-        FSDP's manual backward finalization cannot defer HSDP's replica
-        all-reduce, so a finalized step all-reduces (as 2.15.0 did) and then
-        restores the caller's requires_all_reduce=False exactly; gradients
-        match the reference.
-        """
-        policy = FSDPPolicy(requires_all_reduce=False)
-        build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
-        with self.assertLogs("torch.distributed.pipelining.stage", "WARNING") as logs:
-            self.assertEqual(build.step(0), build.num_groups)
-            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-            build.check_grads_and_update(self)
-            self.assertEqual(build.step(1), build.num_groups)
-            self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-            build.check_grads_and_update(self)
-        # Logged once, not on every step
-        self.assertEqual(
-            sum("requires_all_reduce=False" in line for line in logs.output), 1
-        )
-
-    def test_clear_runtime_states_restores_policy(self):
-        """
-        A gradient reduction left pending (e.g. by a failed step) is finished
-        by ``clear_runtime_states`` at the next step, which restores the
-        caller's policy exactly, HSDP's ``requires_all_reduce=False``
-        included; the next finalized step matches the reference.
-        """
-        policy = FSDPPolicy(requires_all_reduce=False, reshard_after_backward=False)
-        build = PipelineBuild(self.rank, "gpipe", "separate", True, policy)
-        self.assertEqual(build.step(0, finalize_gradients=False), 0)
-        for stage in build.stages:
-            stage.start_gradient_reduction()
-        self.assertNotEqual(build.policies(), [policy] * len(build.fsdp_modules))
-        for stage in build.stages:
-            stage.clear_runtime_states()
-        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-        for m in build.fsdp_modules:
-            self.assertFalse(m.has_pending_gradients())
-        # The reduction was not scaled by the number of microbatches: scale
-        # as the finalization would have, then compare with the reference
-        for param in build.params.values():
-            if param.grad is not None:
-                param.grad.div_(NUM_MICROBATCHES)
-        build.check_grads_and_update(self)
-        self.assertEqual(build.step(1), build.num_groups)
-        self.assertEqual(build.policies(), [policy] * len(build.fsdp_modules))
-        build.check_grads_and_update(self)
-
-    def test_train_eval_train(self):
-        """
-        An eval step leaves no gradients and no pending FSDP state although the
-        loss would run backward; switching to eval with unreduced gradients
-        raises and changes nothing; train -> eval -> train matches the reference.
-        """
-        self.run_subtests(
-            {"schedule_name": ["gpipe", "interleaved_1f1b"], "head": ["separate", "grouped"]},
-            self._test_train_eval_train,
-        )
-
-    def _test_train_eval_train(self, schedule_name: str, head: str) -> None:
-        build = PipelineBuild(self.rank, schedule_name, head, False, FSDPPolicy())
-        self.assertEqual(build.step(0), build.num_groups)
-        build.check_grads_and_update(self)
-
-        tokens, labels = build.batch(10)
-        args, kwargs = build.schedule_inputs(10)
-        losses: list[torch.Tensor] = []
-        build.counter.reset()
-        with build.counter.count():
-            build.schedule.eval(*args, losses=losses, **kwargs)
-        self.assertEqual(build.counter["reduce_scatter"], 0)
-        for stage_mod in build.stage_mods.values():
-            self.assertEqual(pending_fsdp_state(stage_mod), [])
-            for param in stage_mod.parameters():
-                self.assertIsNone(param.grad)
-        for param in build.params.values():
-            self.assertIsNone(param.grad)
-        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
-        if build.has_last:
-            with torch.no_grad():
-                ref_loss = F.cross_entropy(
-                    build.ref_model(tokens).flatten(0, 1), labels.flatten()
-                )
-            loss = torch.stack(losses).mean()
-            dist.all_reduce(loss, group=build.dp_group)
-            self.assertEqual(loss / DP, ref_loss, atol=1e-5, rtol=1e-5)
-
-        # Train again (metadata inference reruns), non-finalized
-        self.assertEqual(build.step(1, finalize_gradients=False), 0)
-        # Switching to eval now would discard the pending gradients: raise,
-        # touching nothing
-        no_sync_policies = build.policies()
-        with self.assertRaisesRegex(RuntimeError, "not reduced yet"):
-            build.schedule.eval(*args, **kwargs)
-        self.assertEqual(build.policies(), no_sync_policies)
-        # Finalizing still accumulates both training steps
-        self.assertEqual(build.step(2), build.num_groups)
-        self.assertEqual(build.policies(), [FSDPPolicy()] * len(build.fsdp_modules))
-        build.check_grads_and_update(self)
-
 
 class TestPipeliningFSDPDataParallelSteps(GlooMultiProcessTestCase):
     """
@@ -660,74 +511,6 @@ class TestPipeliningFSDPDataParallelSteps(GlooMultiProcessTestCase):
             # The next forward computes with the updated parameters
             with torch.no_grad():
                 self.assertEqual(model(x), ref_model(x), msg=msg)
-
-
-    def test_policy_change_between_accumulation_steps(self):
-        """
-        The caller changes the policy between a ``finalize_gradients=False``
-        step and the finalizing step: ``set_reshard_after_forward(False)`` on
-        one module, or the plain-FSDP accumulation idiom
-        ``set_requires_gradient_sync(True)`` before the last step. The
-        finalizing step reduces the accumulated gradients (equal to a
-        single-process reference of both steps), leaves no pending gradients
-        and restores the policy the caller set (the idiom keeps
-        ``reshard_after_backward=True``, as in 2.15.0); so does the next step.
-        """
-        self.run_subtests(
-            {"change": ["reshard_after_forward", "sync_idiom"]},
-            self._test_policy_change_between_accumulation_steps,
-        )
-
-    def _test_policy_change_between_accumulation_steps(self, change: str) -> None:
-        torch.manual_seed(0)
-        ref_model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
-        model = copy.deepcopy(ref_model)
-        mesh = init_device_mesh("cpu", (1, self.world_size), mesh_dim_names=("pp", "dp"))
-        fully_shard(model[0], mesh=mesh["dp"])
-        fully_shard(model[2], mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        modules = (model, model[0], model[2])
-        policies = [m.get_fsdp_policy() for m in modules]
-        if change == "reshard_after_forward":
-            policies[1] = replace(policies[1], reshard_after_forward=False)
-        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.MSELoss())
-        params = dict(model.named_parameters())
-        gen = torch.Generator().manual_seed(1)
-        batches = [
-            (
-                torch.randn(2 * self.world_size, DIM, generator=gen),
-                torch.randn(2 * self.world_size, DIM, generator=gen),
-            )
-            for _ in range(3)
-        ]
-        for step, finalize in ((0, False), (1, True), (2, True)):
-            if step == 1 and change == "reshard_after_forward":
-                model[0].set_reshard_after_forward(False)
-            elif step == 1:
-                model.set_requires_gradient_sync(True)
-            x, y = batches[step]
-            schedule.step(
-                x.chunk(self.world_size)[self.rank],
-                target=y.chunk(self.world_size)[self.rank],
-                finalize_gradients=finalize,
-            )
-            if not finalize:
-                continue
-            msg = f"{change} step {step}"
-            ref_model.zero_grad(set_to_none=True)
-            # The finalizing step reduces the gradients of both steps
-            for ref_x, ref_y in batches[:2] if step == 1 else batches[step:]:
-                nn.functional.mse_loss(ref_model(ref_x), ref_y).backward()
-            self.assertFalse(model.has_pending_gradients(), msg=msg)
-            self.assertEqual([m.get_fsdp_policy() for m in modules], policies, msg=msg)
-            for (name, param), ref_param in zip(params.items(), ref_model.parameters()):
-                self.assertIsNotNone(param.grad, msg=f"{msg} {name}")
-                self.assertEqual(
-                    param.grad.full_tensor(), ref_param.grad, msg=f"{msg} {name}"
-                )
-            for param in params.values():
-                param.grad = None
 
 
 class Head(nn.Module):
@@ -845,28 +628,6 @@ class TestPipeliningFSDPMetadataInference(GlooMultiProcessTestCase):
                 self.assertEqual(grad, ref_grad, msg=f"step {step} {name}")
             for param in params.values():
                 param.grad = None
-
-    def test_pending_gradients_raise_on_every_rank(self):
-        """
-        Metadata inference would discard FSDP gradients that only rank 1
-        holds (backward outside the schedule under no-sync): every rank raises
-        the same error without waiting for the other, nothing changes, and
-        after ``reset_iter_state`` the step runs and matches the reference.
-        """
-        ref, stage_mod, schedule = self._build()
-        if self.rank == 1:
-            stage_mod.set_requires_gradient_sync(False)
-            stage_mod(torch.randn(2, DIM)).sum().backward()
-            stage_mod.set_requires_gradient_sync(True)
-        with self.assertRaisesRegex(RuntimeError, "would discard FSDP gradients"):
-            self._step(schedule, 0)
-        self.assertEqual(stage_mod.has_pending_gradients(), self.rank == 1)
-        if self.rank == 1:
-            stage_mod.reset_iter_state()
-        params = dict(stage_mod.named_parameters())
-        self._step(schedule, 0)
-        for name, ref_grad in self._ref_grads(ref, [0]).items():
-            self.assertEqual(params[name].grad.full_tensor(), ref_grad, msg=name)
 
     def test_non_root_stage_module_keeps_original_error(self):
         """

@@ -1,0 +1,594 @@
+# Owner(s): ["oncall: distributed"]
+"""
+A pipeline step and the caller's state: parameter gradients across metadata
+inference, the caller's FSDP policy between steps, evaluation in the caller's
+grad mode, and retrying a step that raised.
+
+Gloo on CPU; gradients are compared with a single-process reference over
+several optimizer steps.
+"""
+
+import copy
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+
+DIM = 8
+NUM_MICROBATCHES = 4
+MICROBATCH_SIZE = 2
+BATCH = NUM_MICROBATCHES * MICROBATCH_SIZE
+LR = 0.1
+
+# name: (schedule class, stages per rank)
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
+    "looped_bfs": (ScheduleLoopedBFS, 2),
+    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2),
+    "zbv": (ScheduleZBVZeroBubble, 2),
+    "dualpipev": (ScheduleDualPipeV, 2),
+}
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class StageModule(nn.Module):
+    """Two blocks; ``aux`` is a head that only the loss function uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.aux = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def aux_backward(aux: nn.Module, out: torch.Tensor, scale: float = 1.0) -> None:
+    """The auxiliary term a loss function runs backward for itself."""
+    if torch.is_grad_enabled():
+        (aux(out.detach()).pow(2).sum() * scale / BATCH).backward()
+
+
+class Failure(Exception):
+    pass
+
+
+class _Base(MultiProcessTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
+        self = cls(test_name)
+        self.rank = rank
+        self.file_name = file_name
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.FileStore(file_name, self.world_size),
+            rank=rank,
+            world_size=self.world_size,
+        )
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.run_test(test_name, pipe)
+
+    # Helpers -------------------------------------------------------------
+
+    def _build(self, schedule: str, dp: str, aux_loss: bool = False, **sched_kwargs):
+        """Stages of this rank, their schedule, the reference model and the
+        map from stage modules to reference modules."""
+        schedule_cls, per_rank = SCHEDULES[schedule]
+        pp_size, pp_rank, pp_group, mesh = self._meshes(dp)
+        num_stages = pp_size * per_rank
+        torch.manual_seed(0)
+        reference = nn.ModuleList([StageModule() for _ in range(num_stages)])
+        if schedule in V_SCHEDULES:
+            stage_ids = [pp_rank, num_stages - 1 - pp_rank]
+        else:
+            stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
+        stages, modules = [], {}
+        for idx in stage_ids:
+            module = copy.deepcopy(reference[idx])
+            if dp == "fsdp":
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(module, mesh=mesh)
+            elif dp == "replicate":
+                replicate(module, mesh=mesh)
+            elif dp == "children":
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+            modules[idx] = module
+            stages.append(
+                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
+            )
+        last = num_stages - 1
+
+        def loss_fn(out, target):
+            if aux_loss:
+                aux_backward(modules[last].aux, out)
+            return F.mse_loss(out, target)
+
+        if per_rank == 1:
+            sched = schedule_cls(stages[0], NUM_MICROBATCHES, loss_fn=loss_fn, **sched_kwargs)
+        else:
+            sched = schedule_cls(stages, NUM_MICROBATCHES, loss_fn=loss_fn, **sched_kwargs)
+        self.modules, self.reference, self.last = modules, reference, last
+        self.aux_loss = aux_loss
+        return sched
+
+    def _meshes(self, dp: str):
+        """``(pp_size, pp_rank, pp_group, data-parallel mesh)``: one stage
+        rank per rank, data parallelism of degree 1."""
+        mesh = (
+            init_device_mesh("cpu", (self.world_size, 1), mesh_dim_names=("pp", "dp"))["dp"]
+            if dp != "none"
+            else None
+        )
+        return self.world_size, self.rank, None, mesh
+
+    def _data(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
+
+    def _run_step(self, sched, x, y, **kwargs):
+        if 0 in self.modules:
+            return sched.step(x, target=y if self.last in self.modules else None, **kwargs)
+        return sched.step(target=y if self.last in self.modules else None, **kwargs)
+
+    def _reference_grads(self, batches) -> None:
+        """Accumulate the reference gradients of ``batches`` as the pipeline
+        does (mean loss per microbatch, divided by the number of microbatches)."""
+        for x, y in batches:
+            for xm, ym in zip(x.chunk(NUM_MICROBATCHES), y.chunk(NUM_MICROBATCHES)):
+                h = xm
+                for module in self.reference:
+                    h = module(h)
+                if self.aux_loss:
+                    # The pipeline divides every gradient by the number of
+                    # microbatches
+                    aux_backward(self.reference[self.last].aux, h, 1 / NUM_MICROBATCHES)
+                (F.mse_loss(h, ym) / NUM_MICROBATCHES).backward()
+
+    def _assert_grads_match(self, msg: str) -> None:
+        for idx, module in self.modules.items():
+            ref = self.reference[idx]
+            for (name, p), p_ref in zip(module.named_parameters(), ref.parameters()):
+                grad = p.grad
+                if isinstance(grad, DTensor):
+                    grad = grad.full_tensor()
+                ref_grad = p_ref.grad
+                if ref_grad is None:
+                    self.assertIsNone(grad, msg=f"{msg}: stage {idx} {name}")
+                    continue
+                self.assertIsNotNone(grad, msg=f"{msg}: stage {idx} {name}")
+                self.assertEqual(grad, ref_grad, atol=1e-5, rtol=1e-4,
+                                 msg=f"{msg}: stage {idx} {name}")
+
+    def _optimizer_step(self) -> None:
+        with torch.no_grad():
+            for module in self.modules.values():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.sub_(p.grad * LR)
+                    p.grad = None
+            # Every stage of the reference, also those on other ranks
+            for p_ref in self.reference.parameters():
+                if p_ref.grad is not None:
+                    p_ref.sub_(p_ref.grad * LR)
+                p_ref.grad = None
+
+
+class TestPipelineStepWorld2(_Base):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev", "looped_bfs"])
+    def test_probe_gradients_do_not_reach_parameters(self, schedule: str):
+        """Finding 7 (a 2.15.0 bug): a plain stage whose loss runs its own
+        backward keeps no gradient from the metadata inference probe."""
+        sched = self._build(schedule, "none", aux_loss=True)
+        for it in range(2):
+            x, y = self._data(it)
+            self._run_step(sched, x, y)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} step {it}")
+            self._optimizer_step()
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_accumulate_eval_accumulate(self, schedule: str):
+        """Finding 3: step(finalize_gradients=False), eval(), step() trains
+        with the reference gradients (as on 2.15.0)."""
+        sched = self._build(schedule, "fsdp")
+        for it in range(2):
+            a, b, e = self._data(3 * it), self._data(3 * it + 1), self._data(3 * it + 2)
+            self._run_step(sched, *a, finalize_gradients=False)
+            stage_mod = self.modules[min(self.modules)]
+            self.assertTrue(stage_mod.has_pending_gradients())
+            if 0 in self.modules:
+                sched.eval(e[0], target=e[1] if self.last in self.modules else None)
+            else:
+                sched.eval(target=e[1] if self.last in self.modules else None)
+            self._run_step(sched, *b)
+            self.assertFalse(stage_mod.has_pending_gradients())
+            self._reference_grads([a, b])
+            self._assert_grads_match(f"{schedule} step {it}")
+            self._optimizer_step()
+
+    @parametrize("dp", ["none", "fsdp"])
+    def test_eval_runs_in_callers_grad_mode(self, dp: str):
+        """Finding 4: eval() keeps the caller's grad mode (outputs keep their
+        grad_fn, as on 2.15.0) and leaves no pending FSDP gradients."""
+        sched = self._build("gpipe", dp, aux_loss=True)
+        x, y = self._data(0)
+        self._run_step(sched, x, y)
+        self._reference_grads([(x, y)])
+        self._assert_grads_match("before eval")
+        self._optimizer_step()
+        out = sched.eval(x, target=None) if self.rank == 0 else sched.eval(target=y)
+        if self.rank == 1:
+            self.assertTrue(out.requires_grad)
+        if dp == "fsdp":
+            for module in self.modules.values():
+                self.assertFalse(module.has_pending_gradients())
+        with torch.no_grad():
+            out = sched.eval(x, target=None) if self.rank == 0 else sched.eval(target=y)
+        if self.rank == 1:
+            self.assertFalse(out.requires_grad)
+        # The auxiliary loss ran backward in the grad-mode eval (as on 2.15.0)
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        # Training continues with the reference gradients
+        x, y = self._data(1)
+        self._run_step(sched, x, y)
+        self._reference_grads([(x, y)])
+        self._assert_grads_match("after eval")
+
+    @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"])
+    @parametrize("aux_loss", [False, True])
+    def test_replicate_stages_train(self, schedule: str, aux_loss: bool):
+        """Finding 1: replicate() stage modules train as on 2.15.0 (revision 2
+        raised on the first step), with a plain loss and with a loss that
+        runs backward itself."""
+        sched = self._build(schedule, "replicate", aux_loss=aux_loss)
+        for it in range(2):
+            x, y = self._data(it)
+            self._run_step(sched, x, y)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} aux={aux_loss} step {it}")
+            self._optimizer_step()
+
+    def test_eval_with_sharded_children_accumulating(self):
+        """Finding 8: a plain stage module whose children are sharded,
+        accumulating with set_requires_gradient_sync(False) across steps, can
+        run eval() (revision 2 raised on every rank); the accumulation then
+        finishes with nothing pending, and training goes on with the reference
+        gradients."""
+        sched = self._build("gpipe", "children")
+        blocks = [b for m in self.modules.values() for b in m.blocks]
+        a, b, e = self._data(0), self._data(1), self._data(2)
+        for block in blocks:
+            block.set_requires_gradient_sync(False)
+        self._run_step(sched, *a)
+        self.assertTrue(any(block.has_pending_gradients() for block in blocks))
+        sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
+        for block in blocks:
+            block.set_requires_gradient_sync(True)
+        self._run_step(sched, *b)
+        for block in blocks:
+            self.assertFalse(block.has_pending_gradients())
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        for p_ref in self.reference.parameters():
+            p_ref.grad = None
+        for it in range(2):
+            x, y = self._data(10 + it)
+            self._run_step(sched, x, y)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"children step {it}")
+            self._optimizer_step()
+
+    @parametrize(
+        "case", ["rab_before", "rab_between", "rgs_before", "rgs_between", "raf_in_loss"]
+    )
+    def test_callers_policy_between_steps(self, case: str):
+        """Findings 2, 8 and 9: the caller's policy is in force between any two
+        steps whenever the call is made; a finalizing step reduces and reshards
+        every group (as 2.15.0); a change made by the loss during the step
+        persists."""
+        sched = self._build("gpipe", "fsdp")
+        stage_mod = self.modules[self.rank]
+        fsdp_modules = [stage_mod, *stage_mod.blocks]
+        loss_fn = sched._loss_fn
+        field, value = {
+            "rab": ("reshard_after_backward", False),
+            "rgs": ("requires_gradient_sync", False),
+            "raf": ("reshard_after_forward", False),
+        }[case[:3]]
+
+        def set_field(module):
+            module.set_fsdp_policy(
+                replace(module.get_fsdp_policy(), **{field: value}), recurse=False
+            )
+
+        in_finalizing_step = [False]
+        if case == "raf_in_loss":
+            # The loss changes a field the step does not own, during the
+            # finalizing step only
+            def loss_with_policy_change(out, target):
+                if in_finalizing_step[0]:
+                    set_field(self.modules[self.last].blocks[0])
+                return loss_fn(out, target)
+            sched._loss_fn = loss_with_policy_change
+        for it in range(2):
+            a, b = self._data(2 * it), self._data(2 * it + 1)
+            if case.endswith("before"):
+                for m in fsdp_modules:
+                    set_field(m)
+            expected = {id(m): m.get_fsdp_policy() for m in fsdp_modules}
+            self._run_step(sched, *a, finalize_gradients=False)
+            if case != "raf_in_loss":
+                for m in fsdp_modules:
+                    self.assertEqual(m.get_fsdp_policy(), expected[id(m)], msg=case)
+            if case.endswith("between"):
+                for m in fsdp_modules:
+                    set_field(m)
+                expected = {id(m): m.get_fsdp_policy() for m in fsdp_modules}
+            in_finalizing_step[0] = True
+            self._run_step(sched, *b)
+            in_finalizing_step[0] = False
+            self.assertFalse(stage_mod.has_pending_gradients(), msg=case)
+            # Every group was resharded: the registered parameters are sharded
+            for m in fsdp_modules:
+                for p in m.parameters(recurse=False):
+                    self.assertIsInstance(p, DTensor, msg=case)
+            if case == "raf_in_loss":
+                if self.last in self.modules:
+                    policy = self.modules[self.last].blocks[0].get_fsdp_policy()
+                    self.assertEqual(policy.reshard_after_forward, False, msg=case)
+            else:
+                for m in fsdp_modules:
+                    self.assertEqual(m.get_fsdp_policy(), expected[id(m)], msg=case)
+                    self.assertEqual(getattr(m.get_fsdp_policy(), field), value, msg=case)
+            self._reference_grads([a, b])
+            self._assert_grads_match(f"{case} step {it}")
+            self._optimizer_step()
+
+    @parametrize("schedule", ["gpipe"])
+    @parametrize("where", ["loss_mb0"])
+    @parametrize("dp", ["none"])
+    def test_retry_after_failure_every_rank(self, schedule: str, where: str, dp: str):
+        """Findings 5 and 6 across ranks: the last stage's loss raises at
+        microbatch m and stage 0's forward at microbatch m + 1, so that each
+        rank raises without waiting for the other (GPipe); after zero_grad()
+        the retry trains with the reference gradients and returns every loss.
+        The single-rank test below covers every schedule bitwise."""
+        self._check_retry(schedule, where, dp)
+
+    def _check_retry(self, schedule: str, where: str, dp: str) -> None:
+        sched = self._build(schedule, dp)
+        fail_mb = int(where[-1])
+        loss_fn = sched._loss_fn
+        counter = {"forward": 0, "loss": 0, "armed": False}
+
+        def failing_loss(out, target):
+            if counter["armed"] and counter["loss"] == fail_mb:
+                counter["loss"] += 1
+                raise Failure("injected loss failure")
+            counter["loss"] += 1
+            return loss_fn(out, target)
+
+        def failing_forward_hook(module, args):
+            if counter["armed"] and counter["forward"] == fail_mb + 1:
+                counter["forward"] += 1
+                raise Failure("injected forward failure")
+            counter["forward"] += 1
+
+        sched._loss_fn = failing_loss
+        first = self.modules.get(0)
+        if first is not None:
+            first.register_forward_pre_hook(failing_forward_hook)
+
+        def run(x, y, losses):
+            counter["forward"] = counter["loss"] = 0
+            return self._run_step(sched, x, y, losses=losses)
+
+        results = []
+        for it in range(2):
+            x, y = self._data(it)
+            if it == 1:
+                counter["armed"] = True
+                with self.assertRaises(Exception):
+                    run(x, y, [])
+                counter["armed"] = False
+                for module in self.modules.values():
+                    module.zero_grad(set_to_none=True)
+            losses: list = []
+            run(x, y, losses)
+            results.append(
+                (
+                    [l.detach().clone() for l in losses],
+                    {
+                        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                        for m in self.modules.values()
+                        for n, p in m.named_parameters()
+                        if p.grad is not None
+                    },
+                )
+            )
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} {where} {dp} step {it}")
+            self._optimizer_step()
+        # The retried step 1 equals the reference; its losses are complete
+        if self.last in self.modules:
+            self.assertEqual(len(results[1][0]), NUM_MICROBATCHES)
+
+
+class TestPipelineStepWorld1(_Base):
+    """Every stage on one rank, so a failure raises on every rank of the
+    pipeline at once, at any point (also in metadata inference)."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @parametrize(
+        "schedule",
+        ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"],
+    )
+    def test_retry_is_bitwise_equal_to_clean_run(self, schedule: str):
+        for dp in ("none", "fsdp"):
+            for where in ("forward", "loss_mb0", "loss_mb1", "metadata"):
+                self._check(schedule, dp, where)
+
+    def _check(self, schedule: str, dp: str, where: str) -> None:
+        msg = f"{schedule} {dp} {where}"
+        runs = []
+        for inject in (False, True):
+            sched = self._build(schedule, dp)
+            loss_fn = sched._loss_fn
+            state = {"calls": 0, "fail_at": None, "forward": False}
+
+            def failing_loss(out, target):
+                state["calls"] += 1
+                if state["calls"] == state["fail_at"]:
+                    raise Failure("injected loss failure")
+                return loss_fn(out, target)
+
+            def failing_hook(module, args):
+                if state["forward"]:
+                    raise Failure("injected forward failure")
+
+            sched._loss_fn = failing_loss
+            self.modules[0].register_forward_pre_hook(failing_hook)
+            grads_per_step = []
+            for it in range(2):
+                x, y = self._data(it)
+                # The first step's first loss call is metadata inference's
+                fail_step = 0 if where == "metadata" else 1
+                if inject and it == fail_step:
+                    state["calls"] = 0
+                    state["fail_at"] = {"metadata": 1, "loss_mb0": 1, "loss_mb1": 2}.get(where)
+                    state["forward"] = where == "forward"
+                    with self.assertRaises(Failure if where != "forward" else RuntimeError, msg=msg):
+                        self._run_step(sched, x, y, losses=[])
+                    state["fail_at"], state["forward"] = None, False
+                    for module in self.modules.values():
+                        module.zero_grad(set_to_none=True)
+                losses: list = []
+                self._run_step(sched, x, y, losses=losses)
+                self.assertEqual(len(losses), NUM_MICROBATCHES, msg=msg)
+                grads = {
+                    f"{i}.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                    for i, m in self.modules.items()
+                    for n, p in m.named_parameters()
+                    if p.grad is not None
+                }
+                grads_per_step.append(([l.detach().clone() for l in losses], grads))
+                self._reference_grads([(x, y)])
+                self._assert_grads_match(f"{msg} step {it} inject={inject}")
+                self._optimizer_step()
+            runs.append(grads_per_step)
+        for (clean_losses, clean_grads), (losses, grads) in zip(*runs):
+            self.assertEqual(len(clean_losses), len(losses), msg=msg)
+            for a, b in zip(clean_losses, losses):
+                self.assertTrue(torch.equal(a, b), msg=msg)
+            self.assertEqual(sorted(clean_grads), sorted(grads), msg=msg)
+            for name in clean_grads:
+                self.assertTrue(torch.equal(clean_grads[name], grads[name]), msg=f"{msg} {name}")
+
+
+class TestPipelineStepHSDP(_Base):
+    """pp 2 x replicate 2 x shard 1: HSDP whose replica all-reduce moves data."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _meshes(self, dp: str):
+        mesh = init_device_mesh(
+            "cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard")
+        )
+        self.replica_rank = mesh["replicate"].get_local_rank()
+        return 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[
+            "replicate", "shard"
+        ]
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_hsdp_finalizing_step_all_reduces_and_restores(self, schedule: str):
+        """Findings 2 and 9 under HSDP: with the caller's
+        requires_all_reduce=False (and gradient sync off) left over, a
+        finalizing step still reduces across replicas as 2.15.0 did (the
+        gradients equal the reference over both replicas' data), the caller's
+        policy is back after every step, and accumulation works."""
+        sched = self._build(schedule, "fsdp")
+        fsdp_modules = [m for module in self.modules.values() for m in module.modules()
+                        if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.set_fsdp_policy(
+                replace(m.get_fsdp_policy(), requires_all_reduce=False,
+                        requires_gradient_sync=False),
+                recurse=False,
+            )
+        caller = [m.get_fsdp_policy() for m in fsdp_modules]
+        for it in range(2):
+            batches = []
+            for finalize in (False, True):
+                gen = torch.Generator().manual_seed(10 * it + finalize)
+                x = torch.randn(2 * BATCH, DIM, generator=gen)
+                y = torch.randn(2 * BATCH, DIM, generator=gen)
+                halves = list(zip(x.chunk(2), y.chunk(2)))
+                batches.extend(halves)
+                self._run_step(sched, *halves[self.replica_rank], finalize_gradients=finalize)
+                self.assertEqual([m.get_fsdp_policy() for m in fsdp_modules], caller)
+            self._reference_grads(batches)
+            for p_ref in self.reference.parameters():
+                if p_ref.grad is not None:
+                    p_ref.grad.div_(2)  # mean over the two replicas
+            self._assert_grads_match(f"{schedule} hsdp step {it}")
+            self._optimizer_step()
+
+
+instantiate_parametrized_tests(TestPipelineStepHSDP)
+instantiate_parametrized_tests(TestPipelineStepWorld2)
+instantiate_parametrized_tests(TestPipelineStepWorld1)
+
+
+if __name__ == "__main__":
+    run_tests()
