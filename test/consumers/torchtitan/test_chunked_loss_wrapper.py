@@ -70,13 +70,6 @@ LAYOUTS = [
     ("tied", False),
 ]
 
-# Revision 3 of the pipelining patches restores the caller's policy after
-# every step, also a non-finalized one; revision 2 leaves the no-sync policy
-# in force between non-finalized steps. Revision 3's FSDP patches add
-# ``is_fsdp_root`` in the same series.
-_PP_RESTORES_AFTER_EVERY_STEP = hasattr(FSDPModule, "is_fsdp_root")
-
-
 class _InjectedError(Exception):
     pass
 
@@ -615,12 +608,10 @@ class TestChunkedLossWrapperPipelining(GlooMultiProcessTestCase):
             counts.append(counter["reduce_scatter"])
             ref_loss = F.cross_entropy(ref_model(tokens).flatten(0, 1), labels.flatten())
             ref_loss.backward()
+            # The caller's policy is in force between any two steps,
+            # finalized or not
             now = [m.get_fsdp_policy() for m in modules]
-            if finalize or _PP_RESTORES_AFTER_EVERY_STEP:
-                self.assertEqual(now, policies, msg=f"step {step}")
-            else:
-                # Revision 2: the no-sync policy stays until the finalized step
-                self.assertFalse(now[0].requires_gradient_sync)
+            self.assertEqual(now, policies, msg=f"step {step}")
             if has_last:
                 loss = torch.stack([x.detach() for x in losses]).mean()
                 dist.all_reduce(loss, group=dp_mesh.get_group())
