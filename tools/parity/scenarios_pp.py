@@ -46,8 +46,9 @@ class Layer(nn.Module):
         self.autograd_in_forward = autograd_in_forward
 
     def forward(self, x):
-        if self.autograd_in_forward:
-            # A forward that uses autograd itself (an input-gradient feature)
+        if self.autograd_in_forward and torch.is_grad_enabled():
+            # A forward that uses autograd itself when the caller enables grad
+            # (an input-gradient feature); without grad it skips the feature
             probe = x.detach().requires_grad_(True)
             (g,) = torch.autograd.grad((probe * probe).sum(), probe)
             x = x + 0.01 * g
