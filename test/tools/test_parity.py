@@ -49,7 +49,7 @@ def test_extra_collective_is_a_diff_with_counts():
     b = obs(("phase", "forward 1"), AG, AG, RS)
     text = runner.compare(a, b)
     assert text.startswith("rank 0 event 2 (after 'forward 1'): ")
-    assert "all_gather_single 1 vs 2" in text and "reduce_scatter_single" not in text.split("[")[-1]
+    assert "all_gather_single 2 vs 4" in text and "reduce_scatter_single" not in text.split("[")[-1]
     lines, _, failed = run({"s": a}, {"s": b})
     assert lines[0].startswith("DIFF s: rank 0 event 2") and lines[-1] == "PARITY: 0/1 scenarios identical"
     assert failed
@@ -124,3 +124,13 @@ def test_gloo_transport_failures_compare_equal():
                                           "for recv operation to complete"))
     assert runner.compare(a, b) is None
     assert runner.compare(a, obs(("exception", "RuntimeError", "other"))) is not None
+
+
+def test_summary_names_later_exceptions_and_numbers():
+    vote_a, vote_b = ("coll", "all_reduce", 2, [[1, "int32"]]), ("coll", "all_reduce", 2, [[2, "int32"]])
+    a = obs(vote_a, ("phase", "step 1"), ("grads", {"w": "h1"}), ("ok", "step"))
+    b = obs(vote_b, ("phase", "step 1"), ("grads", {"w": "h2"}), ("exception", "ValueError", "no single policy"))
+    text = runner.compare(a, b)
+    assert text.startswith("rank 0 event 0 (after 'start'): ")
+    assert "raised only on the patched torch: 'ValueError: no single policy'" in text
+    assert "numbers differ from 'step 1'" in text

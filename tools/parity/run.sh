@@ -17,6 +17,12 @@ cd "$REPO"
 VENV="${VENV:-$REPO/.venv}"
 PATCHED="${PARITY_PATCHED_PYTHON:-$VENV/bin/python}"
 
+for arg in "$@"; do
+  if [[ "$arg" == "--list" ]]; then
+    exec "$PATCHED" tools/parity/runner.py --pristine-python "$PATCHED" --patched-python "$PATCHED" "$@"
+  fi
+done
+
 if [[ -n "${PARITY_PRISTINE_PYTHON:-}" ]]; then
   PRISTINE="$PARITY_PRISTINE_PYTHON"
 else

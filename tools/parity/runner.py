@@ -73,6 +73,55 @@ def _last_phase(events, upto) -> str:
     return "start"
 
 
+NUMBERS = ("grads", "params", "tensor")
+
+
+def _exceptions(events) -> list:
+    return [f"{e[1]}: {e[2][:100]}" for e in events if e and e[0] in ("exception", "uncaught")]
+
+
+def _numbers(events) -> list:
+    out, phase = [], "start"
+    for e in events:
+        if e and e[0] == "phase":
+            phase = e[1]
+        elif e and e[0] in NUMBERS:
+            out.append((phase, e))
+    return out
+
+
+def summarise(a: dict, b: dict) -> str:
+    """Beyond the first difference: collective counts over all ranks, exceptions
+    seen on one side only, and the first phase whose numbers differ."""
+    parts = []
+    ca, cb = collections.Counter(), collections.Counter()
+    exc_a, exc_b = [], []
+    first_numbers = None
+    for ra, rb in zip(a.get("ranks", []), b.get("ranks", [])):
+        ea, eb = _canon(ra.get("events", [])), _canon(rb.get("events", []))
+        ca += _collective_counts(ea)
+        cb += _collective_counts(eb)
+        exc_a += _exceptions(ea)
+        exc_b += _exceptions(eb)
+        if first_numbers is None:
+            for (pa, xa), (_, xb) in zip(_numbers(ea), _numbers(eb)):
+                if xa != xb:
+                    first_numbers = pa
+                    break
+    deltas = [f"{k} {ca[k]} vs {cb[k]}" for k in sorted(set(ca) | set(cb)) if ca[k] != cb[k]]
+    if deltas:
+        parts.append("all ranks' collectives: " + ", ".join(deltas))
+    only_b = [e for e in dict.fromkeys(exc_b) if e not in exc_a]
+    only_a = [e for e in dict.fromkeys(exc_a) if e not in exc_b]
+    if only_b:
+        parts.append(f"raised only on the patched torch: {only_b[0]!r}" + (f" (+{len(only_b) - 1})" if len(only_b) > 1 else ""))
+    if only_a:
+        parts.append(f"raised only on the pristine torch: {only_a[0]!r}" + (f" (+{len(only_a) - 1})" if len(only_a) > 1 else ""))
+    if first_numbers is not None:
+        parts.append(f"numbers differ from {first_numbers!r}")
+    return "; ".join(parts)
+
+
 def compare(a: dict, b: dict):
     """The first difference between two observations of one scenario, or None."""
     if a is None or b is None:
@@ -90,12 +139,8 @@ def compare(a: dict, b: dict):
             if x != y:
                 where = f"rank {rank} event {i} (after {_last_phase(ea, i)!r})"
                 text = f"{where}: {_event_diff(x, y)}"
-                ca, cb = _collective_counts(ea), _collective_counts(eb)
-                if ca != cb:
-                    kinds = sorted(set(ca) | set(cb))
-                    text += " [collectives: " + ", ".join(
-                        f"{k} {ca[k]} vs {cb[k]}" for k in kinds if ca[k] != cb[k]) + "]"
-                return text
+                extra = summarise(a, b)
+                return text + (f" [{extra}]" if extra else "")
         if ra.get("outcome") != rb.get("outcome"):
             return f"rank {rank} outcome {ra.get('outcome')} vs {rb.get('outcome')}"
     return None

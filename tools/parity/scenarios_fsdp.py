@@ -628,3 +628,89 @@ def _ddp(ctx, accumulate=False, static=False):
 register("ddp.basic", _ddp)
 register("ddp.no_sync_accumulation", functools.partial(_ddp, accumulate=True))
 register("ddp.static_graph", functools.partial(_ddp, static=True))
+
+
+class DenseLM(nn.Module):
+    """A root holding only the input projection, two blocks and a separately sharded head."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.body = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)])
+        self.lm_head = nn.Linear(DIM, DIM)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.body:
+            if self.reentrant and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=True)
+            else:
+                x = block(x)
+        return self.lm_head(x)
+
+
+def _eval_before_each_step(ctx, mode, reentrant=False):
+    torch.manual_seed(0)
+    model = DenseLM(reentrant)
+    for block in model.body:
+        fully_shard(block)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    optim = sgd(model)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(7 * step + ctx.rank)
+        x = torch.randn(BATCH, DIM, generator=gen)
+        ctx.phase(f"eval {mode} {step}")
+        if mode == "no_grad":
+            with torch.no_grad():
+                ctx.tensor("eval out", model(x))
+        else:
+            with torch.inference_mode():
+                ctx.tensor("eval out", model(x))
+        ctx.phase(f"forward {step}")
+        loss = model(x).square().mean()
+        ctx.phase(f"backward {step}")
+        loss.backward()
+        ctx.optim_step(model, optim)
+
+
+register("fsdp.eval_before_each_step.no_grad", functools.partial(_eval_before_each_step, mode="no_grad"))
+register("fsdp.eval_before_each_step.no_grad.reentrant_checkpoint",
+         functools.partial(_eval_before_each_step, mode="no_grad", reentrant=True))
+register("fsdp.eval_before_each_step.inference_mode",
+         functools.partial(_eval_before_each_step, mode="inference_mode"))
+
+
+def _eval_variant(ctx, variant):
+    torch.manual_seed(0)
+    model = DenseLM()
+    rafs = variant != "rafs_False"
+    for block in model.body:
+        fully_shard(block, reshard_after_forward=rafs)
+    fully_shard(model.lm_head, reshard_after_forward=rafs)
+    fully_shard(model)
+    optim = sgd(model)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(7 * step + ctx.rank)
+        x = torch.randn(BATCH, DIM, generator=gen)
+        ctx.phase(f"forward {step}")
+        loss = model(x).square().mean()
+        ctx.phase(f"backward {step}")
+        loss.backward()
+        ctx.optim_step(model, optim)
+        ctx.phase(f"eval {variant} {step}")
+        with torch.no_grad():
+            if variant == "twice":
+                model(x)
+                model(x)
+            elif variant == "submodule":
+                model.body[0](x)
+            elif variant == "head_only":
+                model.lm_head(x)
+            else:
+                model(x)
+
+
+for _variant in ("twice", "submodule", "head_only", "rafs_False"):
+    register(f"fsdp.eval_between_steps.dense.{_variant}", functools.partial(_eval_variant, variant=_variant))
