@@ -9,6 +9,8 @@ several optimizer steps.
 """
 
 import copy
+import os
+import sys
 from dataclasses import replace
 
 import torch
@@ -29,12 +31,15 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
 )
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_lifecycle_testing import GlooMultiProcessTestCase  # noqa: E402
 
 
 DIM = 8
@@ -87,26 +92,7 @@ class Failure(Exception):
     pass
 
 
-class _Base(MultiProcessTestCase):
-    def setUp(self) -> None:
-        super().setUp()
-        self._start_processes(torch.multiprocessing.get_context("fork").Process)
-
-    @classmethod
-    def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
-        self = cls(test_name)
-        self.rank = rank
-        self.file_name = file_name
-        dist.init_process_group(
-            backend="gloo",
-            store=dist.FileStore(file_name, self.world_size),
-            rank=rank,
-            world_size=self.world_size,
-        )
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        self.run_test(test_name, pipe)
-
+class _Base(GlooMultiProcessTestCase):
     # Helpers -------------------------------------------------------------
 
     def _build(self, schedule: str, dp: str, aux_loss: bool = False, **sched_kwargs):
