@@ -207,6 +207,24 @@ class PipelineBuild:
         self.last_stage_index = num_stages - 1
         self.stage_mods: dict[int, StageModule] = {}
         stages = []
+        # One reduce-scatter per FSDP parameter group with trainable
+        # parameters (a grouped head is one group), counted as the groups
+        # are built: a group manages the parameters of its modules that no
+        # group built before it manages
+        self.num_groups = 0
+        managed: set[int] = set()
+
+        def shard(modules: nn.Module | list[nn.Module]) -> None:
+            fully_shard(modules, mesh=dp_mesh)
+            own = [
+                param
+                for module in (modules if isinstance(modules, list) else [modules])
+                for param in module.parameters()
+                if id(param) not in managed
+            ]
+            managed.update(id(param) for param in own)
+            self.num_groups += any(param.requires_grad for param in own)
+
         for stage_index in sorted(stage_indices):
             is_last = stage_index == num_stages - 1
             stage_mod = StageModule(
@@ -222,13 +240,13 @@ class PipelineBuild:
                 norm_in_forward=is_last and head == "grouped",
             )
             for layer in stage_mod.layers.values():
-                fully_shard(layer, mesh=dp_mesh)
+                shard(layer)
             if is_last:
                 if head == "grouped":
-                    fully_shard([stage_mod.norm, stage_mod.lm_head], mesh=dp_mesh)
+                    shard([stage_mod.norm, stage_mod.lm_head])
                 else:
-                    fully_shard(stage_mod.lm_head, mesh=dp_mesh)
-            fully_shard(stage_mod, mesh=dp_mesh)
+                    shard(stage_mod.lm_head)
+            shard(stage_mod)
             stage_mod.set_fsdp_policy(policy, recurse=True)
             self.stage_mods[stage_index] = stage_mod
             stages.append(
@@ -251,16 +269,6 @@ class PipelineBuild:
             for m in stage_mod.modules()
             if isinstance(m, FSDPModule)
         ]
-        # One reduce-scatter per FSDP parameter group with trainable
-        # parameters (a grouped head is one group)
-        self.num_groups = len(
-            {
-                group
-                for m in self.fsdp_modules
-                for group in m._get_fsdp_state()._fsdp_param_groups
-                if any(p.sharded_param.requires_grad for p in group.fsdp_params)
-            }
-        )
         loss_fn = make_chunked_loss(
             self.stage_mods, self.last_stage_index, head, frozen_decoder
         )

@@ -11,6 +11,7 @@ several optimizer steps.
 import copy
 import os
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -39,7 +40,7 @@ from torch.testing._internal.common_utils import (
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_lifecycle_testing import GlooMultiProcessTestCase  # noqa: E402
+from fsdp_lifecycle_testing import CollectiveCounter, GlooMultiProcessTestCase  # noqa: E402
 
 
 DIM = 8
@@ -95,7 +96,14 @@ class Failure(Exception):
 class _Base(GlooMultiProcessTestCase):
     # Helpers -------------------------------------------------------------
 
-    def _build(self, schedule: str, dp: str, aux_loss: bool = False, **sched_kwargs):
+    def _build(
+        self,
+        schedule: str,
+        dp: str,
+        aux_loss: bool = False,
+        static_metadata: bool = False,
+        **sched_kwargs,
+    ):
         """Stages of this rank, their schedule, the reference model and the
         map from stage modules to reference modules."""
         schedule_cls, per_rank = SCHEDULES[schedule]
@@ -120,8 +128,22 @@ class _Base(GlooMultiProcessTestCase):
                 for block in module.blocks:
                     fully_shard(block, mesh=mesh)
             modules[idx] = module
+            # Static metadata: the stage runs no metadata inference
+            static = {}
+            if static_metadata:
+                static = {
+                    "input_args": torch.empty(MICROBATCH_SIZE, DIM, requires_grad=idx > 0),
+                    "output_args": torch.empty(MICROBATCH_SIZE, DIM, requires_grad=True),
+                }
             stages.append(
-                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
+                PipelineStage(
+                    module,
+                    idx,
+                    num_stages,
+                    torch.device("cpu"),
+                    **static,
+                    group=pp_group,
+                )
             )
         last = num_stages - 1
 
@@ -376,15 +398,18 @@ class TestPipelineStepWorld2(_Base):
             self._assert_grads_match(f"{case} step {it}")
             self._optimizer_step()
 
-    @parametrize("schedule", ["gpipe"])
-    @parametrize("where", ["loss_mb0"])
-    @parametrize("dp", ["none"])
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    @parametrize("where", ["loss_mb0", "loss_mb1"])
+    @parametrize("dp", ["none", "fsdp"])
     def test_retry_after_failure_every_rank(self, schedule: str, where: str, dp: str):
         """Findings 5 and 6 across ranks: the last stage's loss raises at
         microbatch m and stage 0's forward at microbatch m + 1, so that each
-        rank raises without waiting for the other (GPipe); after zero_grad()
-        the retry trains with the reference gradients and returns every loss.
-        The single-rank test below covers every schedule bitwise."""
+        rank raises without waiting for the other, with a send of stage 0's
+        still in flight; after zero_grad() the retry trains with the
+        reference gradients and returns every loss. (The multi-stage
+        schedules refuse such a retry with 2.15.0's "receive buffer still
+        owned" error.) The single-rank test below covers every schedule
+        bitwise."""
         self._check_retry(schedule, where, dp)
 
     def _check_retry(self, schedule: str, where: str, dp: str) -> None:
@@ -420,6 +445,12 @@ class TestPipelineStepWorld2(_Base):
             x, y = self._data(it)
             if it == 1:
                 counter["armed"] = True
+                if 0 not in self.modules:
+                    # The later stage posts its first receive only after
+                    # stage 0 has sent and raised, so that stage 0's failed
+                    # step leaves a send in flight (gloo transmits a send once
+                    # its peer posts the receive): the retry must not hang
+                    time.sleep(1.0)
                 with self.assertRaises(Exception):
                     run(x, y, [])
                 counter["armed"] = False
@@ -571,7 +602,65 @@ class TestPipelineStepHSDP(_Base):
             self._optimizer_step()
 
 
+class TestPipelineStepFSDP2(_Base):
+    """pp 2 x FSDP 2: parameters are all-gathered across two ranks."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def _meshes(self, dp: str):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        return 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh["dp"]
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_metadata_inference_keeps_user_unshard(self, schedule: str):
+        """Finding 8: metadata inference leaves the parameters that the user
+        unsharded before the first step as they were: beyond what its probe
+        gathers, the steps all-gather exactly as with static metadata (no
+        inference), and train with the reference gradients. (2.15.0: step 0
+        gathers 0 or 2 more on gpipe, 2 or 4 more on interleaved_1f1b, the
+        later steps as many; revision 2: 6 to 16 more in step 0.)"""
+        counts = {}
+        for static in (False, True):
+            sched = self._build(schedule, "fsdp", static_metadata=static)
+            for module in self.modules.values():
+                for submodule in module.modules():
+                    if isinstance(submodule, FSDPModule):
+                        submodule.unshard()
+            counter = CollectiveCounter()
+            counts[static] = []
+            for it in range(2):
+                x, y = self._data(it)
+                counter.reset()
+                with counter.count():
+                    self._run_step(sched, x, y)
+                counts[static].append(counter["all_gather"])
+                self._reference_grads([(x, y)])
+                self._assert_grads_match(f"{schedule} static={static} step {it}")
+                self._optimizer_step()
+        # The probe itself may gather each FSDP group of this rank once more
+        # in step 0 (its forward and backward reshard as a step does); after
+        # it, every step all-gathers as with static metadata
+        num_groups = 0
+        for module in self.modules.values():
+            fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+            for m in fsdp_modules:
+                nested = {
+                    id(p)
+                    for sub in fsdp_modules
+                    if sub is not m and any(sub is x for x in m.modules())
+                    for p in sub.parameters()
+                }
+                num_groups += any(id(p) not in nested for p in m.parameters())
+        msg = f"{schedule} rank {self.rank}: {counts}"
+        self.assertLessEqual(counts[False][0] - counts[True][0], num_groups, msg=msg)
+        self.assertEqual(counts[False][1:], counts[True][1:], msg=msg)
+
+
+
 instantiate_parametrized_tests(TestPipelineStepHSDP)
+instantiate_parametrized_tests(TestPipelineStepFSDP2)
 instantiate_parametrized_tests(TestPipelineStepWorld2)
 instantiate_parametrized_tests(TestPipelineStepWorld1)
 
