@@ -399,6 +399,25 @@ def exposed_runs(rows: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
+def exposed_same_note(rows: list[dict], runs: list[tuple[str, dict]]) -> str:
+    """Whether the separate-head rows left out of :func:`exposed_runs` (b, d on another torch) expose
+    the same calls as the ones in it."""
+    used = {id(r) for _, r in runs}
+    chosen = {r["method"]: r for _, r in runs if r["method"] != "a"}
+    same, differ = [], []
+    for r in rows:
+        if r.get("head") != "separate" or "error" in r or id(r) in used or r["method"] not in chosen:
+            continue
+        label = f"{r['method']} on {_series_label(r['torch_series'])}"
+        (same if exposed_per_group(r) == exposed_per_group(chosen[r["method"]]) else differ).append(label)
+    out = []
+    if same:
+        out.append(", ".join(same) + ": the same calls as in the column for that method.")
+    if differ:
+        out.append(", ".join(differ) + ": other calls (see 1c); not in this table.")
+    return " ".join(out)
+
+
 def exposed_counts_table(runs: list[tuple[str, dict]]) -> str:
     def fmt(d: dict) -> str:
         return "/".join(f"{d.get(g, 0):g}" for g in ("layer", "head", "root"))
@@ -605,6 +624,9 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
     if runs:
         parts.append(exposed_counts_table(runs))
         parts.append(exposed_scale_table(runs))
+        note = exposed_same_note(order_rows, runs)
+        if note:
+            parts.append(note)
     else:
         parts.append(_missing("reduce-order-*.json"))
     parts += _section(res, "compositions.json",

@@ -9,7 +9,8 @@
 #                             benchmark 1c (torch only; skipped when the commit is not in the clone)
 #    each with torchtitan==0.3.0 (+ tyro, spmd_types==0.2.3), matplotlib, wheel and
 #    (for the composition tests' numbers) pytest, expecttest, numpy;
-#    existing venvs are reused (pristine is reverted if something patched it);
+#    existing venvs are reused (pristine is reverted if something patched it, and the
+#    torchtitan consumer series is reverted in both: method b is torchtitan as released);
 # 2. runs every script in tools/bench, each writing its JSON result file (commit,
 #    torch and tool versions, machine load) into $BENCH_OUT;
 # 3. renders every table of the README's Benchmarks section from those files
@@ -107,6 +108,16 @@ step "applying the series: python -m torch_patches apply --python $PATCHED"
 "$REPO_PY" -m torch_patches apply --python "$PATCHED"
 "$REPO_PY" -m torch_patches status --python "$PRISTINE" | sed -n '/^state/p;/^torch/p'
 "$REPO_PY" -m torch_patches status --python "$PATCHED" | sed -n '/^state/p;/^torch/p'
+# Method b is torchtitan's own ChunkedLossWrapper: a venv cloned from one with the torchtitan
+# consumer series applied (consumers/torchtitan) gets it reverted
+for v in "$PRISTINE" "$PATCHED"; do
+  tt_state="$(cd / && "$REPO_PY" -m torch_patches torchtitan status --python "$v" 2>/dev/null \
+              | sed -n 's/^state: *//p' || true)"
+  if [[ -n "$tt_state" && "$tt_state" != "not applied" ]]; then
+    step "reverting the torchtitan consumer series in $v (method b runs torchtitan as released)"
+    "$REPO_PY" -m torch_patches torchtitan revert --python "$v"
+  fi
+done
 if [[ -n "$REV2_SERIES" ]]; then
   if [[ "$(series_applied "$REV2" "$REV2_SERIES")" != "applied" ]]; then
     if [[ "$(series_applied "$REV2" "$REV2_SERIES")" != "not applied" ]]; then
