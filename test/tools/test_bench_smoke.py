@@ -61,6 +61,24 @@ def test_collectives_tiny(results_dir):
     assert per_method["d"]["partial"] == {"reduce_scatter": {"head": 1}}  # the norm, reduced again
 
 
+def test_reduce_order_tiny(results_dir):
+    out = run(str(BENCH / "reduce_order.py"), "--vocab", "64", "--dim", "8", "--seq", "8",
+              "--microbatches", "2", "--num-chunks", "2", "--methods", "a,c,d",
+              "--json", str(results_dir / "reduce-order-patched.json"))
+    assert "exposed RS per step" in out and "error" not in out
+    data = _meta_ok(results_dir / "reduce-order-patched.json", "reduce_order")
+    rows = {(r["head"], r["method"]): r for r in data["results"]}
+    assert data["params"]["torch_series"] == rows["separate", "a"]["torch_series"]
+    # A separate head's reduction is issued at the partial_backward exit, before the decoder backward
+    # (revision 2 issued it last, in the root's final callback): only layers.0 and the root are exposed
+    sep = rows["separate", "a"]
+    assert render.order_string(sep).startswith("RS lm_head, bwd L2, RS L2, bwd L1"), render.order_string(sep)
+    assert sep["head_positions"] == [{"index": 1, "blocks_started": 0}]
+    assert render.exposed_per_group(sep)["exposed"] == {"layer": 1, "root": 1}
+    # The tied head's weight is also the embeddings': reduced last whatever the method
+    assert [p["blocks_started"] for p in rows["tied", "a"]["head_positions"]] == [3]
+
+
 def test_pp_collectives_tiny(results_dir):
     out = run(str(BENCH / "pp_collectives.py"), "--schedules", "GPipe", "--json", str(results_dir / "pp-patched.json"))
     assert re.search(r"\| GPipe +\| 0 +\| 3 ", out), out
@@ -120,6 +138,8 @@ def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
     assert text.startswith("# x\n\n## Benchmarks\n\nintro\n\n") and text.endswith(f"{render.END}\n\n## Layout\n")
     assert "old" not in text and "Not measured yet: no `parity.json`" in text
     assert "**5. Scale, on paper**" in text and "| Llama-3 70B | 1024 |" in text
+    assert "**1c. Reduce-scatter order" in text and "RS lm_head, bwd L2" in text
+    assert "**Exposed reduce-scatter bytes per step, on paper**" in text and "a, rev 3: exposed of all RS GB" in text
     assert "**6. Compositions**" in text and "| test_reentrant_checkpointing_prefetch_parity | 2 " in text
     run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--check")
 
@@ -133,6 +153,11 @@ def test_scale_arithmetic():
     # one fp32 reduce-scatter of every parameter: (DP-1)/DP * 4 bytes * parameters (~8.03e9)
     assert render.bytes_per_step(one_each, groups, 8) == pytest.approx(7 / 8 * 4 * total)
     assert 8.0e9 < total < 8.1e9
+    # The separate 70B head: 128256 x 8192 = 1.05e9 parameters, fp32, (DP-1)/DP: ~3.7 GB at DP 8
+    sep = render.model_groups_separate(8192, 80, 28672, 1024)
+    assert sep["head"] == (1, 128256 * 8192) and sep["root"] == (1, 128256 * 8192 + 8192)
+    assert render.rs_bytes({"head": 1}, sep, 8) == pytest.approx(7 / 8 * 4 * 128256 * 8192)
+    assert 3.67e9 < render.rs_bytes({"head": 1}, sep, 8) < 3.69e9
 
 
 def test_docs_block_matches_committed_results():

@@ -87,6 +87,99 @@ def parity_table(rows: list[dict]) -> str:
                    "" if r.get("missing") else f"{r['gradients']:.3g}"] for r in rows])
 
 
+# -- 1c. reduce-scatter order -------------------------------------------------------------------------
+def _series_label(series: str) -> str:
+    """``2.15.0`` -> ``2.15.0``, ``2.15.0+fsdp.2`` -> ``rev 2``."""
+    return f"rev {series.rsplit('.', 1)[1]}" if "+fsdp." in series else series
+
+
+def _short(label: str) -> str:
+    return f"L{label.split('.')[1]}" if label.startswith("layers.") else label
+
+
+def _largest_rs(row: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for mb in row["microbatches"]:
+        for e in mb["events"]:
+            if e[0] == "RS":
+                out[e[1]] = max(out.get(e[1], 0), e[2])
+    return out
+
+
+def _is_partial(row: dict, label: str, numel: int) -> bool:
+    return numel < PARTIAL_SHARE * _largest_rs(row)[label]
+
+
+def order_string(row: dict) -> str:
+    """The reducing microbatch's reduce-scatters and block backward starts, in order."""
+    last = next(mb for mb in reversed(row["microbatches"]) if mb["reducing"])
+    toks = []
+    for e in last["events"]:
+        if e[0] == "start":
+            toks.append(f"bwd {_short(e[1])}")
+        elif e[0] == "RS":
+            toks.append(f"RS {_short(e[1])}" + (" (part)" if _is_partial(row, e[1], e[2]) else ""))
+    return ", ".join(toks)
+
+
+def _head_position(row: dict) -> str:
+    n = row["reduce_scatters_last_mb"]
+    cells = []
+    for p in row["head_positions"]:
+        k, layers = p["blocks_started"], row["num_layers"]
+        where = "before the decoder bwd" if k == 0 else f"after all {k} blocks' bwd" if k == layers else \
+            f"after {k} of {layers} blocks' bwd"
+        cells.append(f"{p['index']} of {n}, {where}")
+    return "; ".join(cells) or "none"
+
+
+def order_table(rows: list[dict]) -> str:
+    rows = sorted(rows, key=lambda r: (HEADS.index(r["head"]), r["method"], r["torch_series"]))
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append([r["head"], r["method"], _series_label(r["torch_series"]), "error: " + r["error"][:70],
+                        "", "", ""])
+            continue
+        ex = r["exposed"]
+        out.append([r["head"], f"{r['method']} {METHOD_NAMES[r['method']]}", _series_label(r["torch_series"]),
+                    order_string(r), _head_position(r),
+                    f"{len(ex['after_end']['calls'])}: {', '.join(_short(c[0]) for c in ex['after_end']['calls'])}",
+                    _kib(ex["after_end"]["bytes"])])
+    return table(["head", "method", "torch", "reducing microbatch: RS and block backward starts, in order",
+                  "head RS (position among RS)", "exposed RS per step", "exposed bytes (rank 0)"], out)
+
+
+def order_started_note(rows: list[dict]) -> str:
+    """Whether counting from the start of ``layers.0``'s backward (not its end) changes any row."""
+    ok = [r for r in rows if "error" not in r]
+    differ = [f"{r['head']} {r['method']} {_series_label(r['torch_series'])}" for r in ok
+              if r["exposed"]["after_start"] != r["exposed"]["after_end"]]
+    if not differ:
+        return ("Counted from the start of `layers.0`'s backward instead of its end: the same calls in "
+                "every row.")
+    return ("Counted from the start of `layers.0`'s backward instead of its end, these rows differ: "
+            + "; ".join(differ) + ".")
+
+
+def exposed_per_group(row: dict) -> dict[str, dict[str, int]]:
+    """``{"exposed"|"all"|"exposed_partial": {group kind: calls per step}}`` from a reduce_order row:
+    the reduce-scatters issued after ``layers.0``'s backward finished, and all of them."""
+    out: dict = {"exposed": {}, "all": {}, "exposed_partial": {}}
+    for label, numel in row["exposed"]["after_end"]["calls"]:
+        into = out["exposed_partial" if _is_partial(row, label, numel) else "exposed"]
+        into[kind_of(label)] = into.get(kind_of(label), 0) + 1
+    for mb in row["microbatches"]:
+        for e in mb["events"]:
+            if e[0] == "RS" and not _is_partial(row, e[1], e[2]):
+                out["all"][kind_of(e[1])] = out["all"].get(kind_of(e[1]), 0) + 1
+    return out
+
+
+def kind_of(label: str) -> str:
+    return "layer" if label.startswith("layers.") else "root" if label == "root" else "head"
+
+
 # -- 1b. pipelining --------------------------------------------------------------------------------
 def pp_rank_table(rows: list[dict]) -> str:
     return table(["schedule", "rank", "FSDP groups (minimum)", "RS step 1", "RS step 2", "AG step 2", "AR step 2",
@@ -274,6 +367,86 @@ def counts_table(per_method: dict) -> str:
                                                for g in ("layer", "head", "root"))] for m in sorted(per_method)])
 
 
+#: Exposed reduce-scatter bytes at scale: the separate head (``fully_shard(output)``, the layout whose
+#: reduction moved in revision 3), from the order measured by ``reduce_order.py``.
+EXPOSED_DP_SIZES = (8, 64, 1024)
+ORDER_FILES = ("reduce-order-pristine.json", "reduce-order-rev2.json", "reduce-order-patched.json")
+
+
+def model_groups_separate(hidden: int, layers: int, ffn: int, kv: int) -> dict[str, tuple[int, int]]:
+    """:func:`model_groups` with a separately sharded ``output`` (its weight alone); the final norm
+    stays in the root with the embeddings."""
+    g = model_groups(hidden, layers, ffn, kv)
+    return {"layer": g["layer"], "head": (1, VOCAB * hidden), "root": (1, VOCAB * hidden + hidden)}
+
+
+def rs_bytes(calls: dict[str, float], groups: dict, dp: int) -> float:
+    """Ring reduce-scatter bytes one rank sends for ``calls`` (``{group kind: calls}``), fp32."""
+    return sum(calls.get(g, 0) * numel * GRAD_BYTES * (dp - 1) / dp for g, (_, numel) in groups.items())
+
+
+def exposed_runs(rows: list[dict]) -> list[tuple[str, dict]]:
+    """The separate-head rows the scale table uses: method a on every series measured (revision 2:
+    before, revision 3: after), then b, c and d on the unpatched torch (or the first torch that ran
+    them)."""
+    sep = sorted((r for r in rows if r.get("head") == "separate" and "error" not in r),
+                 key=lambda r: (r["method"], "+" in r["torch_series"], r["torch_series"]))
+    out = [(f"a, {_series_label(r['torch_series'])}", r) for r in sep if r["method"] == "a"]
+    for m in ("b", "c", "d"):
+        r = next((r for r in sep if r["method"] == m), None)
+        if r is not None:
+            out.append((f"{m}, {_series_label(r['torch_series'])}", r))
+    return out
+
+
+def exposed_same_note(rows: list[dict], runs: list[tuple[str, dict]]) -> str:
+    """Whether the separate-head rows left out of :func:`exposed_runs` (b, d on another torch) expose
+    the same calls as the ones in it."""
+    used = {id(r) for _, r in runs}
+    chosen = {r["method"]: r for _, r in runs if r["method"] != "a"}
+    same, differ = [], []
+    for r in rows:
+        if r.get("head") != "separate" or "error" in r or id(r) in used or r["method"] not in chosen:
+            continue
+        label = f"{r['method']} on {_series_label(r['torch_series'])}"
+        (same if exposed_per_group(r) == exposed_per_group(chosen[r["method"]]) else differ).append(label)
+    out = []
+    if same:
+        out.append(", ".join(same) + ": the same calls as in the column for that method.")
+    if differ:
+        out.append(", ".join(differ) + ": other calls (see 1c); not in this table.")
+    return " ".join(out)
+
+
+def exposed_counts_table(runs: list[tuple[str, dict]]) -> str:
+    def fmt(d: dict) -> str:
+        return "/".join(f"{d.get(g, 0):g}" for g in ("layer", "head", "root"))
+
+    out = []
+    for label, r in runs:
+        e = exposed_per_group(r)
+        part = sum(e["exposed_partial"].values())
+        out.append([f"{label}: {METHOD_NAMES[r['method']]}", fmt(e["exposed"]) + (f" (+{part} partial)" if part else ""),
+                    f"{r['num_layers']}/1/1", fmt(e["all"])])
+    return table(["method, torch", "exposed RS per step, layer/head/root", "groups (tiny model)",
+                  "all RS per step, layer/head/root"], out)
+
+
+def exposed_scale_table(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for model, shape in MODELS.items():
+        groups = model_groups_separate(*shape)
+        for dp in EXPOSED_DP_SIZES:
+            cells = []
+            for _, r in runs:
+                e = exposed_per_group(r)
+                # all RS: a layer call of the tiny model stands for one call per layer at scale
+                every = {**e["all"], "layer": e["all"].get("layer", 0) / r["num_layers"] * groups["layer"][0]}
+                cells.append(f"{rs_bytes(e['exposed'], groups, dp) / 1e9:.2f} of {rs_bytes(every, groups, dp) / 1e9:.1f}")
+            out.append([model, dp, *cells])
+    return table(["model", "DP", *(f"{label}: exposed of all RS GB" for label, _ in runs)], out)
+
+
 # -- plots ------------------------------------------------------------------------------------------------------
 def plots(res: Path) -> None:
     try:
@@ -383,6 +556,27 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
     else:
         parts.append(_missing("pp-*.json"))
 
+    parts.append("**1c. Reduce-scatter order and exposed bytes** (`tools/bench/reduce_order.py`): FSDP world 2, "
+                 "the step of benchmark 1 with 3 decoder blocks; rank 0 records every reduce-scatter (RS, by the "
+                 "group whose post-backward issued it) and when each block's backward compute starts (`bwd Li`: "
+                 "the gradient of its output is ready). Exposed: the RS issued after the backward compute of "
+                 "the last block the backward reaches (`layers.0`) finished, over the whole step; on a GPU "
+                 "nothing of the decoder is left to hide them. `(part)`: an RS of under half of its group's "
+                 "largest buffer. `torch`: the series the venv has applied (its `TORCH_PATCHES.json`; the series named "
+                 "in the lines below is the checkout's, as everywhere).")
+    order_files = [(name, _read(res, name)) for name in ORDER_FILES]
+    order_rows = [r for _, d in order_files if d for r in d["results"]]
+    if order_rows:
+        parts.append(" ".join(f"{_series_label(d['params']['torch_series'])} run: {meta_line(d)}"
+                              for _, d in order_files if d))
+        p = next(d for _, d in order_files if d)["params"]
+        parts.append(f"Tiny LM (vocab {p['vocab']}, dim {p['dim']}, {p['layers']} layers, batch {p['batch']}, "
+                     f"seq {p['seq']}), M={p['microbatches']} microbatches, N={p['num_chunks']} chunks. "
+                     + order_started_note(order_rows))
+        parts.append(order_table(order_rows))
+    else:
+        parts.append(_missing("reduce-order-*.json"))
+
     parts += _section(res, "step_time.json",
                       "**2. Step time** (`tools/bench/step_time.py`, patched torch, methods alternating step by step "
                       "in the same processes; read the ratios, not the absolute times)",
@@ -418,6 +612,23 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
         parts.append(f"![bytes per step at scale]({rel}/scale.png)")
     else:
         parts.append(_missing("collectives-*.json"))
+    parts.append("**Exposed reduce-scatter bytes per step, on paper**, separate head (`fully_shard(output)`; "
+                 "the final norm in the root with the embeddings; a 1.05 B-parameter head at 70B, 128 256 x "
+                 "8192): fp32 reduce-scatter bytes one rank sends per optimizer step, calls x parameters x 4 "
+                 "x (DP-1)/DP, for the RS that benchmark 1c measured as exposed (issued after the last "
+                 "decoder block's backward finished), beside all RS of the step. **Computed, not measured "
+                 "at scale**: which groups' RS are exposed comes from the tiny model's measured order, not "
+                 "from an assumption; a partial call is listed, not counted. Method a on revision 2 is the "
+                 "before, on revision 3 the after.")
+    runs = exposed_runs(order_rows)
+    if runs:
+        parts.append(exposed_counts_table(runs))
+        parts.append(exposed_scale_table(runs))
+        note = exposed_same_note(order_rows, runs)
+        if note:
+            parts.append(note)
+    else:
+        parts.append(_missing("reduce-order-*.json"))
     parts += _section(res, "compositions.json",
                       "**6. Compositions** (`tools/bench/compositions.py`: the composition tests, "
                       "`test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py`, run by "

@@ -4,7 +4,8 @@ Every script in ``tools/bench`` writes its numbers with :func:`write`::
 
     {"benchmark": NAME, "meta": {...}, "params": {...}, "results": ...}
 
-``meta`` holds the project commit (``-dirty`` when tracked files differ), the
+``meta`` holds the project commit (``-dirty`` when tracked files other than the
+benchmarks' own output differ), the
 torch version, the tool version and the shipped series revision, Python,
 the CPU count and the machine load (1-minute load average before and after).
 No host names or paths. :mod:`render` turns the files into the README's
@@ -37,7 +38,10 @@ def _commit() -> str:
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # The benchmarks' own output (result files, plots, the rendered block) does not make the code dirty:
+    # run_all.sh rewrites those tracked files as it goes
+    own = [f":(exclude){p}" for p in ("tools/bench/results", "docs/benchmarks.md")]
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *own) else "")
 
 
 def load() -> float:
