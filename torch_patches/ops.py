@@ -235,7 +235,9 @@ def _other_series(old: Marker, series: Series, target: Target) -> str:
     if old.revision > series.revision:
         return (f"{old.describe()} is applied, newer than this series (revision {series.revision}); "
                 "`apply` would replace it with this older one")
-    return f"{old.describe()} is applied; `apply` replaces it with this series"
+    return (f"{old.describe()} is applied, with other patches than this series' revision "
+            f"{series.revision} (a development build of the same revision); "
+            "`apply` replaces it with this series")
 
 
 def patch_states(target: Target, series: Series) -> PatchStates:

@@ -195,6 +195,23 @@ def test_usage_errors():
     assert out.returncode == 2 and "--source" in out.stderr
 
 
+def test_same_revision_other_patches_is_named(site, pristine_site, fake_python, one_patch, tmp_path):
+    # Two builds labelled with the same revision but different patches: status says so
+    # instead of reporting the recorded series as this one.
+    other = tmp_path / "other"
+    other.mkdir()
+    api = (pristine_site / API).read_bytes()
+    write_patch(other, "0001-add-policy.patch", "Add policy", unified(API, api, edit(api, "other-build")))
+    write_series(other, ["0001-add-policy.patch"])
+    run_cli("apply", "--python", fake_python, "--series", other, check=0)
+    status = run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
+    assert f"series revision {REVISION}, 1 patch is applied, with other patches than this " \
+           f"series' revision {REVISION}" in status, status
+    run_cli("apply", "--python", fake_python, "--series", one_patch, check=0)
+    status = run_cli("status", "--python", fake_python, "--series", one_patch, check=0).stdout
+    assert "state:       applied" in status, status
+
+
 def test_newer_revision_upgrades_in_one_step(site, fake_python, one_patch, tmp_path):
     # The same patches released as the next revision (manifest.ini [series] revision).
     old_rev = one_patch
