@@ -39,7 +39,7 @@ from .errors import PatchApplyError, TorchPatchesError
 from .fsutil import write_files
 from .patching import apply_patches
 from .record import Record
-from .series import Patch, parse_patch, read_series_file
+from .series import Patch, read_patches
 
 #: The repository's consumer series (present in a checkout, not in an installed package).
 CONSUMERS_ROOT = Path(__file__).resolve().parent.parent / "consumers"
@@ -108,15 +108,8 @@ def load_consumer_series(directory: Optional[Path] = None) -> ConsumerSeries:
         revision = int(series["revision"])
     except (OSError, KeyError, ValueError, configparser.Error) as exc:
         raise TorchPatchesError(f"{directory}/manifest.ini: cannot read it ({exc})")
-    patches = []
-    for name in read_series_file(directory).names:
-        try:
-            data = (directory / name).read_bytes()
-        except OSError as exc:
-            raise TorchPatchesError(f"series lists {name} but it cannot be read: {exc.strerror}")
-        patches.append(parse_patch(name, data))
     return ConsumerSeries(directory, distribution, base.get("package", distribution), version, revision,
-                          base.get("repository", ""), tuple(patches))
+                          base.get("repository", ""), read_patches(directory))
 
 
 # -- the installed distribution ------------------------------------------------------

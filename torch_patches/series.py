@@ -343,10 +343,8 @@ class Series:
                                            for p in self.patches))
 
 
-def load_series(directory: Optional[os.PathLike] = None) -> Series:
-    """Load the series in ``directory`` (default: the newest shipped one)."""
-    directory = Path(directory) if directory is not None else default_series_dir()
-    manifest = read_manifest(directory)
+def read_patches(directory: Path) -> Tuple[Patch, ...]:
+    """The patches that ``directory``'s series file lists, parsed, in order."""
     patches = []
     for name in read_series_file(directory).names:
         try:
@@ -354,4 +352,11 @@ def load_series(directory: Optional[os.PathLike] = None) -> Series:
         except OSError as exc:
             raise TorchPatchesError(f"series lists {name} but it cannot be read: {exc.strerror}")
         patches.append(parse_patch(name, data))
-    return Series(directory=directory, manifest=manifest, patches=tuple(patches))
+    return tuple(patches)
+
+
+def load_series(directory: Optional[os.PathLike] = None) -> Series:
+    """Load the series in ``directory`` (default: the newest shipped one)."""
+    directory = Path(directory) if directory is not None else default_series_dir()
+    manifest = read_manifest(directory)
+    return Series(directory=directory, manifest=manifest, patches=read_patches(directory))
