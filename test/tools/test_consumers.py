@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tooling import REPO
+from tooling import REPO, python_wrapper
 
 from torch_patches import consumers
 from torch_patches.errors import TorchPatchesError
@@ -81,11 +81,7 @@ def _series(tmp_path: Path, patch: str = PATCH, revision: int = 1, version: str 
 
 
 def _python(site: Path, tmp_path: Path) -> str:
-    wrapper = tmp_path / "bin" / "python"
-    wrapper.parent.mkdir(exist_ok=True)
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
-    return str(wrapper)
+    return python_wrapper(site, tmp_path / "bin" / "python")
 
 
 def _snapshot(site: Path) -> dict:

@@ -1,7 +1,7 @@
 """What the CLI says when something is off: each message names the cause and the next step."""
 
 from test_wheel import base_wheel  # noqa: F401  (the small base wheel fixture)
-from tooling import BASE, REVISION, STATE, edit, run_cli, tree_digest
+from tooling import BASE, REVISION, STATE, edit, python_wrapper, run_cli, tree_digest
 
 
 def test_status_names_files_edited_after_apply(site, fake_python, two_patches):
@@ -38,9 +38,7 @@ def test_wheel_install_revert_hint(base_wheel, one_patch, tmp_path):  # noqa: F8
     target = tmp_path / "target"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
                     "--target", str(target), str(out)], env=pip_env(), check=True, capture_output=True)
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = python_wrapper(target, tmp_path / "python")
     proc = run_cli("revert", "--python", wrapper, "--series", one_patch)
     assert proc.returncode == 3
     assert f"pip install --force-reinstall --no-deps torch=={BASE.version}" in proc.stderr

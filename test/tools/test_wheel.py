@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tooling import API, BASE, DI, NEW_FILE, REVISION, TOUCHED_DIRS, empty_series_dir, run_cli
+from tooling import (API, BASE, DI, NEW_FILE, REVISION, TOUCHED_DIRS, empty_series_dir, python_wrapper,
+                     run_cli)
 from torch_patches.base import local_label
 from torch_patches.distinfo import read_version_py, set_metadata_version, set_version_py
 from torch_patches.wheel.fetch import pip_env, wheel_tags
@@ -123,9 +124,7 @@ def test_base_local_label_is_kept(pristine_site, one_patch, tmp_path, label, ver
     target = tmp_path / "target"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
                     "--target", str(target), str(out)], env=pip_env(), check=True, capture_output=True)
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = python_wrapper(target, tmp_path / "python")
     status = run_cli("status", "--python", wrapper, "--series", one_patch, check=0).stdout
     assert f"patched wheel {version}" in status and "applied      0001-add-policy.patch" in status
 
@@ -143,9 +142,7 @@ def test_one_patch_wheel_and_pip_install(base_wheel, one_patch, tmp_path):
     assert (target / NEW_FILE).read_bytes() == b"X = 1\n"
     assert (target / f"torch-{PATCHED_CU}.dist-info/TORCH_PATCHES.json").is_file()
     # status recognises a torch installed from the patched wheel
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{target}" exec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = python_wrapper(target, tmp_path / "python")
     status = run_cli("status", "--python", wrapper, "--series", one_patch, check=0).stdout
     assert f"patched wheel {PATCHED_CU}" in status and "applied      0001-add-policy.patch" in status
     assert "already applied" in run_cli("apply", "--python", wrapper, "--series", one_patch, check=0).stdout

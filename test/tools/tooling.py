@@ -86,14 +86,18 @@ def site(pristine_site, tmp_path) -> Path:
     return dest
 
 
-@pytest.fixture
-def fake_python(site, tmp_path) -> str:
-    """An interpreter wrapper whose ``import torch`` finds the fake ``site``."""
-    wrapper = tmp_path / "bin" / "python"
-    wrapper.parent.mkdir()
+def python_wrapper(site: Path, wrapper: Path) -> str:
+    """Write ``wrapper``, an interpreter whose imports find ``site`` first; return its path."""
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+@pytest.fixture
+def fake_python(site, tmp_path) -> str:
+    """An interpreter wrapper whose ``import torch`` finds the fake ``site``."""
+    return python_wrapper(site, tmp_path / "bin" / "python")
 
 
 @pytest.fixture
