@@ -20,6 +20,12 @@ for the dist-info RECORD):
   changed since;
 * idempotent: applying the applied series changes nothing; applying another
   revision switches from the marker's pristine bytes.
+
+The installed release holds only its packages: hunks for other paths (the
+PR's ``tests/``) are skipped by apply, revert and status, as the torch
+series skips ``docs/`` for an installed torch, and ``export`` writes them
+into the PR unchanged. ``[base] packaged`` lists the prefixes an installed
+release has (default: ``<package>/``).
 """
 
 from __future__ import annotations
@@ -74,6 +80,10 @@ class ConsumerSeries:
     revision: int
     repository: str  # upstream GitHub repository, for PR.md
     patches: Tuple[Patch, ...]
+    packaged: Tuple[str, ...] = ()  # path prefixes an installed release has (default: package/)
+
+    def is_packaged(self, path: str) -> bool:
+        return any(path.startswith(prefix) for prefix in (self.packaged or (self.package + "/",)))
 
     @property
     def paths(self) -> List[str]:
@@ -82,6 +92,19 @@ class ConsumerSeries:
             for fp in patch.files:
                 seen.setdefault(fp.path, None)
         return list(seen)
+
+    @property
+    def installed_paths(self) -> List[str]:
+        """The paths an installed release holds (apply, revert and status use these)."""
+        return [p for p in self.paths if self.is_packaged(p)]
+
+    @property
+    def source_paths(self) -> List[str]:
+        """The paths only a source checkout holds (``tests/``): skipped here, exported."""
+        return [p for p in self.paths if not self.is_packaged(p)]
+
+    def installed_files(self, patch: Patch) -> list:
+        return [fp for fp in patch.files if self.is_packaged(fp.path)]
 
     def identity(self) -> dict:
         return {"revision": self.revision,
@@ -108,8 +131,9 @@ def load_consumer_series(directory: Optional[Path] = None) -> ConsumerSeries:
         revision = int(series["revision"])
     except (OSError, KeyError, ValueError, configparser.Error) as exc:
         raise TorchPatchesError(f"{directory}/manifest.ini: cannot read it ({exc})")
+    packaged = tuple(base.get("packaged", "").split())
     return ConsumerSeries(directory, distribution, base.get("package", distribution), version, revision,
-                          base.get("repository", ""), read_patches(directory))
+                          base.get("repository", ""), read_patches(directory), packaged)
 
 
 # -- the installed distribution ------------------------------------------------------
@@ -206,7 +230,7 @@ def _pristine_from_install(target: InstalledConsumer) -> Dict[str, Optional[byte
     record = _record(target)
     files: Dict[str, Optional[bytes]] = {}
     changed = []
-    for rel in target.series.paths:
+    for rel in target.series.installed_paths:
         data = target.read(rel)
         if data is not None and record.verify([rel], lambda _p, d=data: d):
             changed.append(rel)
@@ -252,7 +276,7 @@ def apply(target: InstalledConsumer) -> str:
         old = _pristine_from_marker(target, marker, "switch series")
         record = _record(target)
         record.undo(marker["record_undo"])
-        pristine = {rel: old[rel] if rel in old else target.read(rel) for rel in s.paths}
+        pristine = {rel: old[rel] if rel in old else target.read(rel) for rel in s.installed_paths}
         # Files only the applied revision touched go back to their pristine bytes
         restore = {rel: data for rel, data in old.items() if rel not in pristine}
     else:
@@ -262,7 +286,7 @@ def apply(target: InstalledConsumer) -> str:
     patched = pristine
     for patch in s.patches:
         try:
-            patched = apply_patches(patched, list(patch.files), where=patch.name)
+            patched = apply_patches(patched, s.installed_files(patch), where=patch.name)
         except PatchApplyError as exc:
             raise TorchPatchesError(f"{exc}; nothing was changed")
     new_marker = {
@@ -270,9 +294,9 @@ def apply(target: InstalledConsumer) -> str:
         "series": s.identity(),
         "files": {rel: {"pristine": None if pristine[rel] is None else pristine[rel].decode("utf-8"),
                         "pristine_sha256": _sha(pristine[rel]), "patched_sha256": _sha(patched[rel])}
-                  for rel in s.paths},
+                  for rel in s.installed_paths},
     }
-    changes: Dict[str, Optional[bytes]] = {rel: patched[rel] for rel in s.paths}
+    changes: Dict[str, Optional[bytes]] = {rel: patched[rel] for rel in s.installed_paths}
     undo = record.update(changes)
     # The marker is listed in RECORD without a hash (it holds RECORD's undo log)
     record.lines.append(record.line_for(target.marker_rel, None))
@@ -285,7 +309,13 @@ def apply(target: InstalledConsumer) -> str:
     write_files(target.root, changes)
     verb = "switched to" if marker is not None else "applied"
     return (f"{s.distribution} {target.version}: {verb} consumer series revision {s.revision} "
-            f"({len(s.patches)} patch(es), {len(s.paths)} file(s)) at {target.root}")
+            f"({len(s.patches)} patch(es), {len(s.installed_paths)} file(s)) at {target.root}"
+            + _skipped_lines(s))
+
+
+def _skipped_lines(s: ConsumerSeries) -> str:
+    return "".join(f"\nskipped {rel}: not part of an installed {s.distribution} (export includes it)"
+                   for rel in s.source_paths)
 
 
 def revert(target: InstalledConsumer) -> str:
@@ -313,9 +343,12 @@ def status(target: InstalledConsumer) -> List[str]:
     else:
         state = f"another revision applied ({marker['series']['revision']}); `apply` switches"
     lines.append(f"state:       {state}")
-    for rel in s.paths:
+    for rel in s.installed_paths:
         refs = sum(private_references(target.read(rel) or b"").values())
         lines.append(f"  {rel}: {refs} private FSDP reference(s)")
+    for rel in s.source_paths:
+        lines.append(f"note:        {rel} is not part of an installed {s.distribution}: skipped here "
+                     "(export includes it)")
     return lines
 
 
@@ -353,7 +386,7 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
                 else _pristine_from_install(target))
     patched = pristine
     for patch in s.patches:
-        patched = apply_patches(patched, list(patch.files), where=patch.name)
+        patched = apply_patches(patched, s.installed_files(patch), where=patch.name)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     for patch in s.patches:
@@ -361,7 +394,7 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
     (output / "series").write_text("".join(p.name + "\n" for p in s.patches), encoding="utf-8")
     template = (s.directory / "PR.md.in").read_text(encoding="utf-8")
     counts = []
-    for rel in s.paths:
+    for rel in s.installed_paths:
         before = sum(private_references(pristine[rel] or b"").values())
         after = sum(private_references(patched[rel] or b"").values())
         counts.append(f"| `{rel}` | {before} | {after} |")

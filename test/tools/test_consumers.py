@@ -176,6 +176,61 @@ def test_cli_and_export(tmp_path):
     assert run("revert").returncode == 0
 
 
+TEST_PATCH = textwrap.dedent("""\
+    From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+    From: torch-fsdp-lifecycle <torch-fsdp-lifecycle@users.noreply.github.com>
+    Date: Tue, 1 Dec 2026 00:00:00 +0000
+    Subject: [PATCH] [loss] test the change
+
+    Bug: none
+    Forwarded: not-needed
+    Last-Update: 2026-12-01
+    ---
+     tests/unit_tests/test_loss.py | 2 +-
+     1 file changed, 1 insertion(+), 1 deletion(-)
+
+    diff --git a/tests/unit_tests/test_loss.py b/tests/unit_tests/test_loss.py
+    --- a/tests/unit_tests/test_loss.py
+    +++ b/tests/unit_tests/test_loss.py
+    @@ -1,2 +1,2 @@
+     import unittest
+    -assert "line 10"
+    +assert "line ten"
+    """)
+
+
+def test_source_only_paths_are_skipped_and_exported(tmp_path):
+    """A patch for the PR's tests/ (not in the installed release) is skipped by
+    apply and status, named in their output, and exported unchanged."""
+    site = _site(tmp_path)
+    series_dir = _series(tmp_path)
+    (series_dir / "manifest.ini").write_text(
+        (series_dir / "manifest.ini").read_text().replace("[series]", "packaged = torchtitan/\n[series]"))
+    (series_dir / "0002-test.patch").write_text(TEST_PATCH)
+    (series_dir / "series").write_text("0001-change.patch\n0002-test.patch\n")
+    target = _target(tmp_path, site, series_dir)
+    assert target.series.installed_paths == [MODULE]
+    assert target.series.source_paths == ["tests/unit_tests/test_loss.py"]
+    before = _snapshot(site)
+    out = consumers.apply(target)
+    assert "(2 patch(es), 1 file(s))" in out, out
+    assert "skipped tests/unit_tests/test_loss.py: not part of an installed torchtitan (export includes it)" in out
+    assert not (site / "tests").exists()
+    assert list(target.marker()["files"]) == [MODULE]
+    assert (site / MODULE).read_bytes() == PRISTINE.replace(b"line 10\n", b"line ten\n")
+    status = "\n".join(consumers.status(target))
+    assert "state:       applied" in status
+    assert "note:        tests/unit_tests/test_loss.py is not part of an installed torchtitan" in status
+    exported = consumers.export(target, tmp_path / "out")
+    assert (exported / "0002-test.patch").read_text() == TEST_PATCH
+    assert (exported / "series").read_text() == "0001-change.patch\n0002-test.patch\n"
+    pr = (exported / "PR.md").read_text()
+    assert f"| `{MODULE}` | 0 | 0 |" in pr and "tests/unit_tests/test_loss.py" not in pr.split("git am")[0]
+    assert "git am 0001-change.patch 0002-test.patch" in pr
+    consumers.revert(target)
+    assert _snapshot(site) == before
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 def test_shipped_series_applies_to_installed_torchtitan(tmp_path):
     """The shipped series against a copy of the installed release (reverted first if patched)."""

@@ -30,19 +30,28 @@ PRIVATE_NAMES = (
 PUBLIC_CALLS = ("partial_backward(", "finish_forward(", "fsdp_policy(")
 
 
-def _patched_paths() -> list[str]:
-    names = [
+def _patch_names() -> list[str]:
+    return [
         line.strip()
         for line in (SERIES_DIR / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
+
+
+def _all_patched_paths() -> list[str]:
     paths = []
-    for name in names:
+    for name in _patch_names():
         for line in (SERIES_DIR / name).read_text().splitlines():
             m = re.match(r"^\+\+\+ b/(\S+)$", line)
             if m and m.group(1) not in paths:
                 paths.append(m.group(1))
     return paths
+
+
+def _patched_paths() -> list[str]:
+    """The patched files an installed torchtitan holds (its package); the
+    others (the PR's tests/) are only exported."""
+    return [p for p in _all_patched_paths() if p.startswith("torchtitan/")]
 
 
 def _site_root() -> Path:
@@ -89,6 +98,19 @@ class TestTorchtitanConsumerPatch(TestCase):
                 "set_requires_gradient_sync(",
             ):
                 self.assertNotIn(setter, text, rel)
+        # The PR's own test changes (not installed): no private names added
+        self.assertEqual(
+            [p for p in _all_patched_paths() if p not in paths],
+            ["tests/unit_tests/test_loss.py"],
+        )
+        for name in _patch_names():
+            added = "\n".join(
+                line[1:]
+                for line in (SERIES_DIR / name).read_text().splitlines()
+                if line.startswith("+") and not line.startswith("+++")
+            )
+            counts = {n: added.count(n) for n in PRIVATE_NAMES}
+            self.assertEqual(sum(counts.values()), 0, f"{name}: {counts}")
         loss_py = (root / "torchtitan/components/loss.py").read_text()
         for call in PUBLIC_CALLS:
             self.assertIn(call, loss_py)
