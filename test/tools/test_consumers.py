@@ -27,22 +27,30 @@ from torch_patches.errors import TorchPatchesError
 
 MODULE = "torchtitan/components/loss.py"
 PRISTINE = b"".join(b"line %d\n" % i for i in range(1, 21))
-PATCH = textwrap.dedent("""\
-    From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
-    From: torch-fsdp-lifecycle <torch-fsdp-lifecycle@users.noreply.github.com>
-    Date: Tue, 1 Dec 2026 00:00:00 +0000
-    Subject: [PATCH] [loss] change line 10
 
-    Bug: none
-    Forwarded: not-needed
-    Last-Update: 2026-12-01
-    ---
-     torchtitan/components/loss.py | 2 +-
-     1 file changed, 1 insertion(+), 1 deletion(-)
 
-    diff --git a/torchtitan/components/loss.py b/torchtitan/components/loss.py
-    --- a/torchtitan/components/loss.py
-    +++ b/torchtitan/components/loss.py
+def _format_patch(subject: str, path: str, hunk: str) -> str:
+    """A one-file ``git format-patch`` text changing one line of ``path``."""
+    return textwrap.dedent("""\
+        From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+        From: torch-fsdp-lifecycle <torch-fsdp-lifecycle@users.noreply.github.com>
+        Date: Tue, 1 Dec 2026 00:00:00 +0000
+        Subject: [PATCH] {subject}
+
+        Bug: none
+        Forwarded: not-needed
+        Last-Update: 2026-12-01
+        ---
+         {path} | 2 +-
+         1 file changed, 1 insertion(+), 1 deletion(-)
+
+        diff --git a/{path} b/{path}
+        --- a/{path}
+        +++ b/{path}
+        """).format(subject=subject, path=path) + textwrap.dedent(hunk)
+
+
+PATCH = _format_patch("[loss] change line 10", MODULE, """\
     @@ -9,3 +9,3 @@
      line 9
     -line 10
@@ -176,22 +184,7 @@ def test_cli_and_export(tmp_path):
     assert run("revert").returncode == 0
 
 
-TEST_PATCH = textwrap.dedent("""\
-    From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
-    From: torch-fsdp-lifecycle <torch-fsdp-lifecycle@users.noreply.github.com>
-    Date: Tue, 1 Dec 2026 00:00:00 +0000
-    Subject: [PATCH] [loss] test the change
-
-    Bug: none
-    Forwarded: not-needed
-    Last-Update: 2026-12-01
-    ---
-     tests/unit_tests/test_loss.py | 2 +-
-     1 file changed, 1 insertion(+), 1 deletion(-)
-
-    diff --git a/tests/unit_tests/test_loss.py b/tests/unit_tests/test_loss.py
-    --- a/tests/unit_tests/test_loss.py
-    +++ b/tests/unit_tests/test_loss.py
+TEST_PATCH = _format_patch("[loss] test the change", "tests/unit_tests/test_loss.py", """\
     @@ -1,2 +1,2 @@
      import unittest
     -assert "line 10"
