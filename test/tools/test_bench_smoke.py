@@ -75,8 +75,13 @@ def test_reduce_order_tiny(results_dir):
     assert render.order_string(sep).startswith("RS lm_head, bwd L2, RS L2, bwd L1"), render.order_string(sep)
     assert sep["head_positions"] == [{"index": 1, "blocks_started": 0}]
     assert render.exposed_per_group(sep)["exposed"] == {"layer": 1, "root": 1}
+    # ... and its weight is resharded before the decoder backward, also on the no-sync microbatch
+    assert sep["head_unsharded_in_decoder_bwd"] == {"reducing": 0, "other": 0, "reducing_blocks": 3,
+                                                    "other_blocks": 3}
     # The tied head's weight is also the embeddings': reduced last whatever the method
     assert [p["blocks_started"] for p in rows["tied", "a"]["head_positions"]] == [3]
+    tied = rows["tied", "a"]["head_unsharded_in_decoder_bwd"]
+    assert tied["reducing"] == tied["reducing_blocks"] == 3 and tied["other"] == tied["other_blocks"] == 3
 
 
 def test_pp_collectives_tiny(results_dir):

@@ -14,6 +14,10 @@ just before FSDP's post-backward of the block). From that sequence it derives:
 * the position of the head group's reduce-scatter(s) among the reducing
   microbatch's reduce-scatters, and how many decoder blocks had started their
   backward when it was issued (0: before the decoder backward);
+* whether the head's weight is unsharded (a plain tensor, not the sharded
+  ``DTensor``: FSDP2's public view of it) when each decoder block's backward
+  starts, in the reducing and in the other microbatches: an unsharded head
+  holds its all-gathered weight through the decoder backward;
 * "exposed" reduce-scatter bytes: those issued after the backward compute of
   the last decoder block (``layers.0``) finished, summed over the step's
   microbatches: on a GPU nothing of the decoder is left for them to hide
@@ -40,6 +44,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -71,8 +76,15 @@ def group_names(model: common.TinyLM, head: str):
     return label_of
 
 
+def _head_unsharded(model: common.TinyLM) -> bool:
+    """Whether the head's registered weight is the unsharded tensor (FSDP2 registers the sharded
+    ``DTensor`` while resharded)."""
+    return not isinstance(model.lm_head.weight, DTensor)
+
+
 def _record_block_backward(model: common.TinyLM, log: CallLog, marks: list, recording: list):
-    """Tensor hooks that append ``(position in log.calls, "start"|"end", "layers.i")``."""
+    """Tensor hooks that append ``(position in log.calls, "start"|"end", "layers.i")``; a "start"
+    also records whether the head's weight is unsharded then."""
     handles = []
     for i, layer in enumerate(model.layers):
         name = f"layers.{i}"
@@ -84,7 +96,7 @@ def _record_block_backward(model: common.TinyLM, log: CallLog, marks: list, reco
 
         def post(module, args, out, name=name):
             if recording[0] and out.requires_grad:
-                out.register_hook(lambda g: marks.append((len(log.calls), "start", name)))
+                out.register_hook(lambda g: marks.append((len(log.calls), "start", name, _head_unsharded(model))))
 
         # After fully_shard: FSDP's pre-forward has already wrapped the input for its post-backward
         handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
@@ -100,7 +112,7 @@ def _events(log: CallLog, marks: list, start: int, end: int, mark_from: int, mar
     while ci < len(calls) or mi < len(ms):
         # A mark taken when len(log.calls) == k precedes call k
         if mi < len(ms) and (ci == len(calls) or ms[mi][0] <= calls[ci][0]):
-            out.append([ms[mi][1], ms[mi][2]])
+            out.append(list(ms[mi][1:]))
             mi += 1
         else:
             _, (kind, numel, nbytes, label) = calls[ci]
@@ -138,8 +150,16 @@ def analyse(microbatches: list[dict], num_layers: int) -> dict:
             k += 1
             if render.kind_of(e[1]) == "head":
                 head_positions.append({"index": k, "blocks_started": blocks_started})
+    # Decoder blocks whose backward started while the head's weight was unsharded
+    head_unsharded = {"reducing": 0, "other": 0, "reducing_blocks": 0, "other_blocks": 0}
+    for mb in microbatches:
+        key = "reducing" if mb["reducing"] else "other"
+        for e in mb["events"]:
+            if e[0] == "start":
+                head_unsharded[key + "_blocks"] += 1
+                head_unsharded[key] += bool(e[2])
     return {"exposed": exposed, "head_positions": head_positions, "reduce_scatters_last_mb": len(rs),
-            "num_layers": num_layers}
+            "num_layers": num_layers, "head_unsharded_in_decoder_bwd": head_unsharded}
 
 
 def _run_method(rank, world_size, args, mesh, head, method):

@@ -133,21 +133,30 @@ def _head_position(row: dict) -> str:
     return "; ".join(cells) or "none"
 
 
+def _head_unsharded(row: dict) -> str:
+    h = row.get("head_unsharded_in_decoder_bwd")
+    if h is None:
+        return "-"
+    return f"{h['reducing']} of {h['reducing_blocks']}; {h['other']} of {h['other_blocks']}"
+
+
 def order_table(rows: list[dict]) -> str:
     rows = sorted(rows, key=lambda r: (HEADS.index(r["head"]), r["method"], r["torch_series"]))
     out = []
     for r in rows:
         if "error" in r:
             out.append([r["head"], r["method"], _series_label(r["torch_series"]), "error: " + r["error"][:70],
-                        "", "", ""])
+                        "", "", "", ""])
             continue
         ex = r["exposed"]
         out.append([r["head"], f"{r['method']} {METHOD_NAMES[r['method']]}", _series_label(r["torch_series"]),
-                    order_string(r), _head_position(r),
+                    order_string(r), _head_position(r), _head_unsharded(r),
                     f"{len(ex['after_end']['calls'])}: {', '.join(_short(c[0]) for c in ex['after_end']['calls'])}",
                     _kib(ex["after_end"]["bytes"])])
     return table(["head", "method", "torch", "reducing microbatch: RS and block backward starts, in order",
-                  "head RS (position among RS)", "exposed RS per step", "exposed bytes (rank 0)"], out)
+                  "head RS (position among RS)",
+                  "block bwds with the head unsharded (reducing mb; other mbs)",
+                  "exposed RS per step", "exposed bytes (rank 0)"], out)
 
 
 def order_started_note(rows: list[dict]) -> str:
@@ -561,7 +570,10 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                  "group whose post-backward issued it) and when each block's backward compute starts (`bwd Li`: "
                  "the gradient of its output is ready). Exposed: the RS issued after the backward compute of "
                  "the last block the backward reaches (`layers.0`) finished, over the whole step; on a GPU "
-                 "nothing of the decoder is left to hide them. `(part)`: an RS of under half of its group's "
+                 "nothing of the decoder is left to hide them. Block bwds with the head unsharded: the decoder "
+                 "blocks whose backward started while the head's registered weight was its unsharded tensor "
+                 "(not the sharded `DTensor`), i.e. while the head's all-gathered weight was held (a tied head "
+                 "is needed again by the embedding's backward). `(part)`: an RS of under half of its group's "
                  "largest buffer. `torch`: the series the venv has applied (its `TORCH_PATCHES.json`; the series named "
                  "in the lines below is the checkout's, as everywhere).")
     order_files = [(name, _read(res, name)) for name in ORDER_FILES]
