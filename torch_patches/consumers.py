@@ -353,7 +353,9 @@ def status(target: InstalledConsumer) -> List[str]:
 
 
 # -- export ---------------------------------------------------------------------------------
-def _collective_table(results: Optional[dict]) -> str:
+def collective_table(results: Optional[dict]) -> str:
+    """PR.md's before/after table from ``tools/bench/torchtitan_chunked.py``'s result file
+    (also rendered into docs/benchmarks.md)."""
     if not results:
         return ("(not measured: pass `--results FILE`, written by "
                 "`python tools/bench/torchtitan_chunked.py`)\n")
@@ -375,6 +377,11 @@ def _collective_table(results: Optional[dict]) -> str:
     note = results.get("note", "")
     if "load_average" in results:
         note += f" Load average during the run: {results['load_average']:.1f}."
+    meta, params = results.get("meta"), results.get("params", {})
+    if meta:
+        note += (f" Measured {meta['date']} at commit `{meta['commit']}`, torch {meta['torch']} with the "
+                 f"lifecycle series ({params.get('torch_series', meta['series'])}), consumer series revision "
+                 f"{params.get('consumer_series_revision', '?')}: `{params.get('command', '')}`.")
     return "\n".join(rows) + "\n" + (f"\n{note.strip()}\n" if note else "")
 
 
@@ -402,7 +409,7 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
         distribution=s.distribution, version=s.version, revision=s.revision, repository=s.repository,
         patches="\n".join(f"- `{p.name}`: {p.subject}" for p in s.patches),
         private_counts="| file | private FSDP references before | after |\n|---|---|---|\n" + "\n".join(counts),
-        collective_table=_collective_table(results),
+        collective_table=collective_table(results),
         apply=f"git am {' '.join(p.name for p in s.patches)}",
     )
     (output / "PR.md").write_text(text, encoding="utf-8")

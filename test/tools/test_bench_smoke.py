@@ -27,6 +27,8 @@ BENCH = REPO / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 import render  # noqa: E402
 
+from torch_patches import consumers  # noqa: E402
+
 
 def run(*args: str, timeout: int = 180) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -82,6 +84,25 @@ def test_reduce_order_tiny(results_dir):
     assert [p["blocks_started"] for p in rows["tied", "a"]["head_positions"]] == [3]
     tied = rows["tied", "a"]["head_unsharded_in_decoder_bwd"]
     assert tied["reducing"] == tied["reducing_blocks"] == 3 and tied["other"] == tied["other_blocks"] == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_torchtitan_chunked_tiny(results_dir):
+    """torchtitan's released wrapper next to the consumer series' (tools/run_tests.sh applies it)."""
+    out = run(str(BENCH / "torchtitan_chunked.py"), "--steps", "2",
+              "--out", str(results_dir / "torchtitan-chunked.json"))
+    assert "wrote" in out, out
+    data = _meta_ok(results_dir / "torchtitan-chunked.json", "torchtitan_chunked")
+    assert data["params"]["command"] == "python tools/bench/torchtitan_chunked.py --steps 2"
+    rows = {(r["scenario"].split(", ")[1], r["wrapper"]): r for r in data["rows"]}
+    for head in ("separate head", "grouped head"):
+        released, patched = rows[head, "0.3.0"], rows[head, "patched"]
+        assert not released["policy_kept"] and patched["policy_kept"]
+        # One reduce-scatter per group, all in the reducing microbatch; the head's first of the step
+        assert patched["reduce_scatter_per_microbatch"] == [0, 4] and patched["reduce_scatter"] == 4
+        assert patched["head_reduce_scatter_positions"] == [0]
+        assert released["reduce_scatter"] > 4 and patched["max_grad_diff"] < 1e-6
+    assert "| patched | 4 | [0, 4] | [0] |" in consumers.collective_table(data)
 
 
 def test_pp_collectives_tiny(results_dir):
@@ -146,6 +167,9 @@ def test_render_is_a_pure_function_of_the_files(results_dir, tmp_path):
     assert "**1c. Reduce-scatter order" in text and "RS lm_head, bwd L2" in text
     assert "**Exposed reduce-scatter bytes per step, on paper**" in text and "a, rev 3: exposed of all RS GB" in text
     assert "**6. Compositions**" in text and "| test_reentrant_checkpointing_prefetch_parity | 2 " in text
+    if (results_dir / "torchtitan-chunked.json").is_file():
+        assert "**7. torchtitan's `ChunkedLossWrapper`, released vs patched**" in text
+        assert "| patched | 4 | [0, 4] | [0] |" in text
     run(str(BENCH / "render.py"), "--results", str(results_dir), "--readme", str(readme), "--check")
 
 

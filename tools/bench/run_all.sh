@@ -10,7 +10,8 @@
 #    each with torchtitan==0.3.0 (+ tyro, spmd_types==0.2.3), matplotlib, wheel and
 #    (for the composition tests' numbers) pytest, expecttest, numpy;
 #    existing venvs are reused (pristine is reverted if something patched it, and the
-#    torchtitan consumer series is reverted in both: method b is torchtitan as released);
+#    torchtitan consumer series is reverted in both: method b is torchtitan as released;
+#    the last benchmark, torchtitan_chunked.py, applies it to the patched venv again);
 # 2. runs every script in tools/bench, each writing its JSON result file (commit,
 #    torch and tool versions, machine load) into $BENCH_OUT;
 # 3. renders every table of the README's Benchmarks section from those files
@@ -136,9 +137,10 @@ if [[ -n "${BENCH_QUICK:-}" ]]; then
   MEM=(--vocab-sweep 1024x64,2048x64 --seq-sweep 1024x32,1024x64)
   WHEEL=(--repeat 1 --methods cp,torch-patches)
   COMP=(-k test_reentrant_checkpointing_prefetch_parity)
+  TT=(--steps 2)
   RENDER=(--out "$BENCH_OUT/benchmarks.md")
 else
-  COLL=() ORDER=() PP=() STEP=() MEM=() WHEEL=() COMP=() RENDER=()
+  COLL=() ORDER=() PP=() STEP=() MEM=() WHEEL=() COMP=() TT=() RENDER=()
 fi
 export PYTHONWARNINGS=ignore
 filter() { grep -v -E '^(USDT|ERROR):|DeviceProperties.cpp|CPUAllocator.cpp' || true; }
@@ -171,6 +173,9 @@ step "4. patched-wheel build time"
 "$PATCHED" tools/bench/wheel_build.py "${WHEEL[@]}" --wheel-python "$PATCHED" --json "$B/wheel_build.json" 2>&1 | filter
 step "6. the composition tests' numbers (patched torch; pytest on the test file)"
 "$PATCHED" tools/bench/compositions.py "${COMP[@]}" --python "$PATCHED" --json "$B/compositions.json" 2>&1 | filter
-step "7. tables and plots from $B"
+step "7. torchtitan's ChunkedLossWrapper, released vs patched (the consumer series applied to $PATCHED now)"
+"$REPO_PY" -m torch_patches torchtitan apply --python "$PATCHED"
+"$PATCHED" tools/bench/torchtitan_chunked.py "${TT[@]}" --out "$B/torchtitan-chunked.json" 2>&1 | filter
+step "8. tables and plots from $B"
 "$PATCHED" tools/bench/render.py --results "$B" "${RENDER[@]}"
 step "done in $((SECONDS - T0)) s (benchmarks only)"

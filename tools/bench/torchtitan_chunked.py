@@ -38,6 +38,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402
+from reduce_order import torch_series  # noqa: E402
+
+from torch_patches import consumers  # noqa: E402
+
 VOCAB, DIM, SEQ, LAYERS = 512, 64, 64, 2
 MICROBATCH, MICROBATCHES, CHUNKS = 2, 2, 4
 LOSS_PY = "torchtitan/components/loss.py"
@@ -187,6 +193,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "torchtitan-chunked.json"))
     args = parser.parse_args()
+    load_before = results.load()
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,8 +211,15 @@ def main() -> None:
               f"policy {'kept' if r['policy_kept'] else 'overwritten'}"
               f" | max |grad - ref| {r['max_grad_diff']:.2e} | step {r['step_time_s'] or float('nan'):.4f} s"
               f" (x{ratio or float('nan'):.2f}) {r['error']}", flush=True)
+    command = "python tools/bench/torchtitan_chunked.py" + "".join(
+        f" --{k.replace('_', '-')} {v}" for k, v in (("world_size", args.world_size), ("steps", args.steps))
+        if v != parser.get_default(k))
     result = {
         "benchmark": "torchtitan_chunked",
+        "meta": results.meta(load_before, torch.__version__),
+        "params": {"command": command, "world_size": args.world_size, "steps": args.steps,
+                   "torch_series": torch_series(),
+                   "consumer_series_revision": consumers.load_consumer_series().revision},
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_average": os.getloadavg()[0],
