@@ -668,7 +668,8 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                       "per optimizer step. `torch_patches torchtitan export --results` puts the same table "
                       "into the torchtitan PR.",
                       lambda p: f"Command: `{p['command']}`.",
-                      lambda d: [collective_table(d).strip()])
+                      # the meta line is the section's; PR.md, which has no other, repeats it in its note
+                      lambda d: [collective_table({k: v for k, v in d.items() if k != "meta"}).strip()])
     return "\n\n".join(parts) + "\n"
 
 

@@ -10,7 +10,7 @@ series applied (``python -m torch_patches torchtitan apply``): the released
 wrapper is loaded from the pristine bytes the consumer marker keeps, the
 patched one is ``torchtitan.components.loss``. FSDP on gloo/CPU, forked ranks::
 
-    python tools/bench/torchtitan_chunked.py [--world-size 2] [--steps 6] [--out FILE]
+    python tools/bench/torchtitan_chunked.py [--world-size 2] [--steps 20] [--out FILE]
 
 Prints one line per scenario and wrapper and writes a JSON result file
 (default ``tools/bench/results/torchtitan-chunked.json``), which
@@ -190,7 +190,8 @@ def run_rank(rank, world_size, store_path, args, queue):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20; "
+                        "counts are the last step's, step times the median)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "torchtitan-chunked.json"))
     args = parser.parse_args()
     load_before = results.load()
