@@ -36,7 +36,7 @@ import json
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -93,18 +93,14 @@ class ConsumerSeries:
                 seen.setdefault(fp.path, None)
         return list(seen)
 
-    @property
-    def installed_paths(self) -> List[str]:
-        """The paths an installed release holds (apply, revert and status use these)."""
-        return [p for p in self.paths if self.is_packaged(p)]
-
-    @property
-    def source_paths(self) -> List[str]:
-        """The paths only a source checkout holds (``tests/``): skipped here, exported."""
-        return [p for p in self.paths if not self.is_packaged(p)]
-
-    def installed_files(self, patch: Patch) -> list:
-        return [fp for fp in patch.files if self.is_packaged(fp.path)]
+    def held(self) -> Tuple["ConsumerSeries", List[str]]:
+        """This series without the file diffs an installed release cannot hold (the PR's ``tests/``),
+        and those paths, as :func:`.ops.held_series` does for the torch series' ``docs/``. Patch
+        names and bytes (so :meth:`identity` and the exported files) are unchanged."""
+        skipped = [p for p in self.paths if not self.is_packaged(p)]
+        if not skipped:
+            return self, []
+        return replace(self, patches=tuple(p.restricted(self.is_packaged) for p in self.patches)), skipped
 
     def identity(self) -> dict:
         return {"revision": self.revision,
@@ -178,7 +174,8 @@ class InstalledConsumer:
             raise TorchPatchesError(f"{self.root}: expected one {series.distribution}-*.dist-info, found "
                                     f"{len(found)}; reinstall {series.distribution}=={series.version}")
         self.dist_info, self.version = found[0]
-        self.series = series
+        # Only the file diffs an installed release can hold; ``skipped``: the other paths
+        self.series, self.skipped = series.held()
 
     @property
     def marker_rel(self) -> str:
@@ -230,7 +227,7 @@ def _pristine_from_install(target: InstalledConsumer) -> Dict[str, Optional[byte
     record = _record(target)
     files: Dict[str, Optional[bytes]] = {}
     changed = []
-    for rel in target.series.installed_paths:
+    for rel in target.series.paths:
         data = target.read(rel)
         if data is not None and record.verify([rel], lambda _p, d=data: d):
             changed.append(rel)
@@ -276,7 +273,7 @@ def apply(target: InstalledConsumer) -> str:
         old = _pristine_from_marker(target, marker, "switch series")
         record = _record(target)
         record.undo(marker["record_undo"])
-        pristine = {rel: old[rel] if rel in old else target.read(rel) for rel in s.installed_paths}
+        pristine = {rel: old[rel] if rel in old else target.read(rel) for rel in s.paths}
         # Files only the applied revision touched go back to their pristine bytes
         restore = {rel: data for rel, data in old.items() if rel not in pristine}
     else:
@@ -286,7 +283,7 @@ def apply(target: InstalledConsumer) -> str:
     patched = pristine
     for patch in s.patches:
         try:
-            patched = apply_patches(patched, s.installed_files(patch), where=patch.name)
+            patched = apply_patches(patched, list(patch.files), where=patch.name)
         except PatchApplyError as exc:
             raise TorchPatchesError(f"{exc}; nothing was changed")
     new_marker = {
@@ -294,9 +291,9 @@ def apply(target: InstalledConsumer) -> str:
         "series": s.identity(),
         "files": {rel: {"pristine": None if pristine[rel] is None else pristine[rel].decode("utf-8"),
                         "pristine_sha256": _sha(pristine[rel]), "patched_sha256": _sha(patched[rel])}
-                  for rel in s.installed_paths},
+                  for rel in s.paths},
     }
-    changes: Dict[str, Optional[bytes]] = {rel: patched[rel] for rel in s.installed_paths}
+    changes: Dict[str, Optional[bytes]] = {rel: patched[rel] for rel in s.paths}
     undo = record.update(changes)
     # The marker is listed in RECORD without a hash (it holds RECORD's undo log)
     record.lines.append(record.line_for(target.marker_rel, None))
@@ -309,13 +306,9 @@ def apply(target: InstalledConsumer) -> str:
     write_files(target.root, changes)
     verb = "switched to" if marker is not None else "applied"
     return (f"{s.distribution} {target.version}: {verb} consumer series revision {s.revision} "
-            f"({len(s.patches)} patch(es), {len(s.installed_paths)} file(s)) at {target.root}"
-            + _skipped_lines(s))
-
-
-def _skipped_lines(s: ConsumerSeries) -> str:
-    return "".join(f"\nskipped {rel}: not part of an installed {s.distribution} (export includes it)"
-                   for rel in s.source_paths)
+            f"({len(s.patches)} patch(es), {len(s.paths)} file(s)) at {target.root}"
+            + "".join(f"\nskipped {rel}: not part of an installed {s.distribution} (export includes it)"
+                      for rel in target.skipped))
 
 
 def revert(target: InstalledConsumer) -> str:
@@ -343,10 +336,10 @@ def status(target: InstalledConsumer) -> List[str]:
     else:
         state = f"another revision applied ({marker['series']['revision']}); `apply` switches"
     lines.append(f"state:       {state}")
-    for rel in s.installed_paths:
+    for rel in s.paths:
         refs = sum(private_references(target.read(rel) or b"").values())
         lines.append(f"  {rel}: {refs} private FSDP reference(s)")
-    for rel in s.source_paths:
+    for rel in target.skipped:
         lines.append(f"note:        {rel} is not part of an installed {s.distribution}: skipped here "
                      "(export includes it)")
     return lines
@@ -375,13 +368,12 @@ def collective_table(results: Optional[dict]) -> str:
             cell(r.get("max_grad_diff"), "{:.2e}"), cell(r.get("step_time_ratio_vs_0.3.0"), "x{:.2f}"),
         ]) + " |")
     note = results.get("note", "")
-    if "load_average" in results:
-        note += f" Load average during the run: {results['load_average']:.1f}."
     meta, params = results.get("meta"), results.get("params", {})
     if meta:
         note += (f" Measured {meta['date']} at commit `{meta['commit']}`, torch {meta['torch']} with the "
                  f"lifecycle series ({params.get('torch_series', meta['series'])}), consumer series revision "
-                 f"{params.get('consumer_series_revision', '?')}: `{params.get('command', '')}`.")
+                 f"{params.get('consumer_series_revision', '?')}, load average {meta['load_before']:.1f} "
+                 f"before / {meta['load_after']:.1f} after: `{params.get('command', '')}`.")
     return "\n".join(rows) + "\n" + (f"\n{note.strip()}\n" if note else "")
 
 
@@ -393,7 +385,7 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
                 else _pristine_from_install(target))
     patched = pristine
     for patch in s.patches:
-        patched = apply_patches(patched, s.installed_files(patch), where=patch.name)
+        patched = apply_patches(patched, list(patch.files), where=patch.name)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     for patch in s.patches:
@@ -401,7 +393,7 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
     (output / "series").write_text("".join(p.name + "\n" for p in s.patches), encoding="utf-8")
     template = (s.directory / "PR.md.in").read_text(encoding="utf-8")
     counts = []
-    for rel in s.installed_paths:
+    for rel in s.paths:
         before = sum(private_references(pristine[rel] or b"").values())
         after = sum(private_references(patched[rel] or b"").values())
         counts.append(f"| `{rel}` | {before} | {after} |")

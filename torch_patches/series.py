@@ -247,6 +247,10 @@ class Patch:
     def paths(self) -> List[str]:
         return [fp.path for fp in self.files]
 
+    def restricted(self, keep: Callable[[str], bool]) -> "Patch":
+        """This patch with only the file diffs whose path ``keep`` accepts (same name and bytes)."""
+        return replace(self, files=tuple(fp for fp in self.files if keep(fp.path)))
+
     def missing_dep3(self) -> List[str]:
         """DEP-3 fields the style guide asks for that this patch lacks."""
         return [key for key in REQUIRED_DEP3 if key not in self.dep3]
@@ -339,8 +343,7 @@ class Series:
         Patch names and bytes (so :meth:`identity`) are unchanged: an installed
         torch records the whole series as applied, minus what it cannot hold.
         """
-        return replace(self, patches=tuple(replace(p, files=tuple(fp for fp in p.files if keep(fp.path)))
-                                           for p in self.patches))
+        return replace(self, patches=tuple(p.restricted(keep) for p in self.patches))
 
 
 def read_patches(directory: Path) -> Tuple[Patch, ...]:

@@ -202,8 +202,8 @@ def test_source_only_paths_are_skipped_and_exported(tmp_path):
     (series_dir / "0002-test.patch").write_text(TEST_PATCH)
     (series_dir / "series").write_text("0001-change.patch\n0002-test.patch\n")
     target = _target(tmp_path, site, series_dir)
-    assert target.series.installed_paths == [MODULE]
-    assert target.series.source_paths == ["tests/unit_tests/test_loss.py"]
+    assert target.series.paths == [MODULE]
+    assert target.skipped == ["tests/unit_tests/test_loss.py"]
     before = _snapshot(site)
     out = consumers.apply(target)
     assert "(2 patch(es), 1 file(s))" in out, out
