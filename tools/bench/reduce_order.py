@@ -38,8 +38,6 @@ is recorded as ``params["torch_series"]``.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import json
 import sys
 from pathlib import Path
 
@@ -51,13 +49,6 @@ import common  # noqa: E402
 import render  # noqa: E402
 import results  # noqa: E402
 from counting import CallLog  # noqa: E402
-
-
-def torch_series() -> str:
-    """The series applied to this torch (``2.15.0+fsdp.N``), or the plain torch version."""
-    dist = importlib.metadata.distribution("torch")
-    text = dist.read_text("TORCH_PATCHES.json")
-    return json.loads(text)["version"] if text else dist.version
 
 
 def group_names(model: common.TinyLM, head: str):
@@ -193,7 +184,7 @@ def _run_method(rank, world_size, args, mesh, head, method):
         optim.zero_grad()
     for h in handles:
         h.remove()
-    return {"config": "FSDP", "head": head, "method": method, "torch_series": torch_series(),
+    return {"config": "FSDP", "head": head, "method": method, "torch_series": results.torch_series(),
             "microbatches": microbatches, **analyse(microbatches, args.layers)}
 
 
@@ -205,7 +196,7 @@ def run_all(rank, world_size, args, methods):
             try:
                 out.append(_run_method(rank, world_size, args, mesh, head, method))
             except Exception as e:  # report, keep going
-                out.append({"config": "FSDP", "head": head, "method": method, "torch_series": torch_series(),
+                out.append({"config": "FSDP", "head": head, "method": method, "torch_series": results.torch_series(),
                             "error": f"{type(e).__name__}: {e}"})
     return out
 
@@ -220,7 +211,7 @@ def main() -> None:
     load_before = results.load()
     methods = args.methods.split(",") if args.methods else (["a"] if common.has_series_api() else []) + ["b", "c", "d"]
     methods = common.runnable(methods, no_torchtitan=args.no_torchtitan)
-    series = torch_series()
+    series = results.torch_series()
     print(f"torch {torch.__version__} ({series}), FSDP world 2, M={args.microbatches}, N={args.num_chunks}, "
           f"vocab {args.vocab}, dim {args.dim}, {args.layers} layers; methods {methods}", flush=True)
     rows = common.launch(run_all, 2, args, methods)

@@ -16,6 +16,7 @@ without torch).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -42,6 +43,14 @@ def _commit() -> str:
     # run_all.sh rewrites those tracked files as it goes
     own = [f":(exclude){p}" for p in ("tools/bench/results", "docs/benchmarks.md")]
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *own) else "")
+
+
+def torch_series() -> str:
+    """The series applied to the installed torch (``2.15.0+fsdp.N``, from its ``TORCH_PATCHES.json``),
+    or the plain torch version."""
+    dist = importlib.metadata.distribution("torch")
+    text = dist.read_text("TORCH_PATCHES.json")
+    return json.loads(text)["version"] if text else dist.version
 
 
 def load() -> float:

@@ -24,7 +24,6 @@ import copy
 import importlib.util
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,7 +39,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402
-from reduce_order import torch_series  # noqa: E402
 
 from torch_patches import consumers  # noqa: E402
 
@@ -219,11 +217,8 @@ def main() -> None:
         "benchmark": "torchtitan_chunked",
         "meta": results.meta(load_before, torch.__version__),
         "params": {"command": command, "world_size": args.world_size, "steps": args.steps,
-                   "torch_series": torch_series(),
+                   "torch_series": results.torch_series(),
                    "consumer_series_revision": consumers.load_consumer_series().revision},
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "load_average": os.getloadavg()[0],
         "note": ("Counts are the last step's (steady state). Step times are medians over the steps, "
                  "on a shared 2-core CPU machine with gloo: only the ratio is meaningful."),
         "rows": rows,
