@@ -15,7 +15,6 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -624,10 +623,14 @@ class TestPipelineStepFSDP2(_Base):
         counts = {}
         for static in (False, True):
             sched = self._build(schedule, "fsdp", static_metadata=static)
-            for module in self.modules.values():
-                for submodule in module.modules():
-                    if isinstance(submodule, FSDPModule):
-                        submodule.unshard()
+            fsdp_modules = [
+                m
+                for module in self.modules.values()
+                for m in module.modules()
+                if isinstance(m, FSDPModule)
+            ]
+            for m in fsdp_modules:
+                m.unshard()
             counter = CollectiveCounter()
             counts[static] = []
             for it in range(2):
@@ -643,11 +646,7 @@ class TestPipelineStepFSDP2(_Base):
         # in step 0 (its forward and backward reshard as a step does); after
         # it, every step all-gathers as with static metadata. Each FSDP module
         # here is one group (the root's own parameters are ``aux``'s)
-        num_groups = sum(
-            isinstance(m, FSDPModule)
-            for module in self.modules.values()
-            for m in module.modules()
-        )
+        num_groups = len(fsdp_modules)
         msg = f"{schedule} rank {self.rank}: {counts}"
         self.assertLessEqual(counts[False][0] - counts[True][0], num_groups, msg=msg)
         self.assertEqual(counts[False][1:], counts[True][1:], msg=msg)
