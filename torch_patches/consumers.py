@@ -5,6 +5,19 @@ torchtitan release on PyPI (``manifest.ini`` pins it, ``series`` lists
 ``NNNN-slug.patch`` files in ``git format-patch`` form). The pristine base is
 the installed torchtitan itself; nothing of torchtitan is stored here.
 
+``consumers/torchtitan/main-<sha>/`` is the same change written against a
+commit of torchtitan's main branch (``[base] commit``), where its pull request
+goes. No wheel holds that commit: its files come from torchtitan's sources
+(``--source DIR`` or ``$TORCHTITAN_SOURCE``: a git directory, bare or a
+checkout's, read at the commit, or a plain directory whose files must be the
+blobs the patches' ``index`` lines name). ``export`` writes its PR from there;
+``status`` checks it against another revision of main (``--onto REV``, default
+the source's ``HEAD``): *current* (the files are the blobs the series was
+written against), *moved* (they changed, and each patch applies cleanly or
+with offsets) or *conflicts* (refresh the series, see docs/consumers.md).
+``apply``/``revert`` take only a release series: they patch an installed
+release.
+
 ``torch-patches torchtitan apply|revert|status|export`` give it the torch
 series' guarantees, with the same machinery (:mod:`.patching`'s strict
 applier, :mod:`.fsutil`'s all-or-nothing replacement, :class:`.record.Record`
@@ -33,6 +46,7 @@ from __future__ import annotations
 import configparser
 import hashlib
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -44,13 +58,20 @@ from .distinfo import metadata_headers
 from .errors import PatchApplyError, TorchPatchesError
 from .fsutil import write_files
 from .patching import apply_patches
+from .patching import FilePatch
 from .record import Record
 from .series import Patch, read_patches
+from .state import base_blob_mismatches
 
 #: The repository's consumer series (present in a checkout, not in an installed package).
 CONSUMERS_ROOT = Path(__file__).resolve().parent.parent / "consumers"
 MARKER_NAME = "TORCH_PATCHES_CONSUMER.json"
 FORMAT = 1
+#: Where a main-branch series finds torchtitan's sources when ``--source`` is not given.
+SOURCE_ENV = "TORCHTITAN_SOURCE"
+#: ``git am`` strips every leading ``[...]`` of a subject by default; torchtitan's titles
+#: keep their ``[loss]`` prefix, so only the ``[PATCH]`` bracket may go.
+GIT_AM_OPTIONS = "--keep-non-patch"
 
 #: Private FSDP names a consumer of the public API must not reference.
 PRIVATE_FSDP_NAMES = (
@@ -76,11 +97,27 @@ class ConsumerSeries:
     directory: Path
     distribution: str  # the PyPI name, e.g. torchtitan
     package: str  # the import name
-    version: str  # the pinned release
+    version: str  # the pinned release ("" for a series against a commit of a branch)
     revision: int
     repository: str  # upstream GitHub repository, for PR.md
     patches: Tuple[Patch, ...]
     packaged: Tuple[str, ...] = ()  # path prefixes an installed release has (default: package/)
+    commit: str = ""  # the full commit id a branch series is written against
+    branch: str = ""  # that commit's branch (main)
+
+    @property
+    def name(self) -> str:
+        """The ``--target`` name: the directory's (``0.3.0``, ``main-b5bcd76c6``)."""
+        return self.directory.name
+
+    @property
+    def base_label(self) -> str:
+        """What the series applies to, for messages and PR.md."""
+        return f"v{self.version}" if self.version else f"{self.branch} at {self.commit[:9]}"
+
+    @property
+    def file_patches(self) -> List[FilePatch]:
+        return [fp for patch in self.patches for fp in patch.files]
 
     def is_packaged(self, path: str) -> bool:
         return any(path.startswith(prefix) for prefix in (self.packaged or (self.package + "/",)))
@@ -107,14 +144,33 @@ class ConsumerSeries:
                 "patches": [{"name": p.name, "sha256": p.sha256} for p in self.patches]}
 
 
-def default_consumer_dir(name: str = "torchtitan") -> Path:
-    """The newest series directory under ``consumers/<name>/`` of this checkout."""
+def consumer_dirs(name: str = "torchtitan") -> List[Path]:
+    """The series directories under ``consumers/<name>/`` of this checkout, by name."""
     root = CONSUMERS_ROOT / name
     dirs = sorted((d for d in root.glob("*") if (d / "manifest.ini").is_file()), key=lambda d: d.name)
     if not dirs:
         raise TorchPatchesError(f"no consumer series under {root}; pass --series DIR "
                                 "(consumers/ ships with a checkout of torch-fsdp-lifecycle)")
-    return dirs[-1]
+    return dirs
+
+
+def default_consumer_dir(name: str = "torchtitan") -> Path:
+    """The newest *release* series under ``consumers/<name>/`` (the one an installed release takes);
+    a series against a branch commit (``main-<sha>``) is only chosen by ``--target``."""
+    releases = [d for d in consumer_dirs(name) if not load_consumer_series(d).commit]
+    if not releases:
+        raise TorchPatchesError(f"no release series under {CONSUMERS_ROOT / name}; pass --target or --series")
+    return max(releases, key=lambda d: tuple(int(x) if x.isdigit() else -1 for x in d.name.split(".")))
+
+
+def consumer_dir(target: str, name: str = "torchtitan") -> Path:
+    """``consumers/<name>/<target>/``; the error lists the targets there are."""
+    dirs = consumer_dirs(name)
+    for d in dirs:
+        if d.name == target:
+            return d
+    raise TorchPatchesError(f"no consumer series {target!r} under {CONSUMERS_ROOT / name}; targets: "
+                            + ", ".join(d.name for d in dirs))
 
 
 def load_consumer_series(directory: Optional[Path] = None) -> ConsumerSeries:
@@ -123,13 +179,19 @@ def load_consumer_series(directory: Optional[Path] = None) -> ConsumerSeries:
     try:
         parser.read_string((directory / "manifest.ini").read_text(encoding="utf-8"))
         base, series = parser["base"], parser["series"]
-        distribution, version = base["distribution"], base["version"]
+        distribution = base["distribution"]
+        version, commit = base.get("version", "").strip(), base.get("commit", "").strip()
+        if bool(version) == bool(commit):
+            raise ValueError("[base] needs exactly one of version (a release) and commit (a branch's commit)")
+        if commit and not re.fullmatch(r"[0-9a-f]{40}", commit):
+            raise ValueError(f"[base] commit must be a full 40-digit commit id, not {commit!r}")
         revision = int(series["revision"])
     except (OSError, KeyError, ValueError, configparser.Error) as exc:
         raise TorchPatchesError(f"{directory}/manifest.ini: cannot read it ({exc})")
     packaged = tuple(base.get("packaged", "").split())
     return ConsumerSeries(directory, distribution, base.get("package", distribution), version, revision,
-                          base.get("repository", ""), read_patches(directory), packaged)
+                          base.get("repository", ""), read_patches(directory), packaged,
+                          commit=commit, branch=base.get("branch", "main").strip() if commit else "")
 
 
 # -- the installed distribution ------------------------------------------------------
@@ -147,6 +209,12 @@ class InstalledConsumer:
 
     def __init__(self, series: ConsumerSeries, python: Optional[str] = None):
         import sys
+        if series.commit:
+            raise TorchPatchesError(
+                f"{series.name} is written against {series.distribution} {series.base_label}, not a "
+                f"release; an installed {series.distribution} is a release, so apply, revert and status of "
+                f"an install take a release series (--target {default_consumer_dir().name}, the default). "
+                f"This one's PR: `torchtitan export --target {series.name} --source DIR`", exit_code=3)
         python = python or sys.executable
         try:
             proc = subprocess.run([python, "-c", _LOCATE, series.package], capture_output=True, text=True,
@@ -377,12 +445,10 @@ def collective_table(results: Optional[dict]) -> str:
     return "\n".join(rows) + "\n" + (f"\n{note.strip()}\n" if note else "")
 
 
-def export(target: InstalledConsumer, output: Path, results: Optional[dict] = None) -> Path:
-    """Write ``output``: the series' patches (``git format-patch`` files), ``series`` and ``PR.md``."""
-    s = target.series
-    marker = target.marker()
-    pristine = (_pristine_from_marker(target, marker, "export") if marker is not None
-                else _pristine_from_install(target))
+def _write_export(s: ConsumerSeries, pristine: Dict[str, Optional[bytes]], output: Path,
+                  results: Optional[dict]) -> Path:
+    """Write ``output``: the series' patches (``git format-patch`` files), ``series`` and ``PR.md``,
+    whose private-reference counts compare ``pristine`` with the series applied to it."""
     patched = pristine
     for patch in s.patches:
         patched = apply_patches(patched, list(patch.files), where=patch.name)
@@ -399,29 +465,181 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
         counts.append(f"| `{rel}` | {before} | {after} |")
     text = template.format(
         distribution=s.distribution, version=s.version, revision=s.revision, repository=s.repository,
+        commit=s.commit, short_commit=s.commit[:9], branch=s.branch, base=s.base_label,
         patches="\n".join(f"- `{p.name}`: {p.subject}" for p in s.patches),
         private_counts="| file | private FSDP references before | after |\n|---|---|---|\n" + "\n".join(counts),
         collective_table=collective_table(results),
-        apply=f"git am {' '.join(p.name for p in s.patches)}",
+        apply=f"git am {GIT_AM_OPTIONS} {' '.join(p.name for p in s.patches)}",
     )
     (output / "PR.md").write_text(text, encoding="utf-8")
     return output
 
 
+def export(target: InstalledConsumer, output: Path, results: Optional[dict] = None) -> Path:
+    """Write ``output`` for a release series, from the installed release's pristine files."""
+    marker = target.marker()
+    pristine = (_pristine_from_marker(target, marker, "export") if marker is not None
+                else _pristine_from_install(target))
+    return _write_export(target.series, pristine, output, results)
+
+
+# -- a series against a branch commit: torchtitan's sources ---------------------------
+def _git(directory: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", "-C", str(directory), *args], capture_output=True, timeout=300)
+    except OSError as exc:
+        raise TorchPatchesError(f"cannot run git: {exc.strerror}")
+
+
+class SourceTree:
+    """torchtitan's sources: a git directory (bare, or a checkout's), read at a revision with
+    ``git cat-file``, or a plain directory (an archive's extraction), read from disk."""
+
+    def __init__(self, path: Optional[str]):
+        if not path:
+            raise TorchPatchesError(
+                f"this series is written against a commit of torchtitan, not a release: pass --source DIR "
+                f"or set {SOURCE_ENV} (a torchtitan git checkout, a bare clone, or the commit's files)")
+        self.path = Path(path).resolve()
+        if not self.path.is_dir():
+            raise TorchPatchesError(f"--source {path}: not a directory")
+        proc = _git(self.path, "rev-parse", "--absolute-git-dir")
+        git_dir = Path(proc.stdout.decode().strip()) if proc.returncode == 0 else None
+        # A plain directory inside some other repository's work tree is not that repository
+        self.is_git = git_dir is not None and git_dir.resolve() in (self.path, self.path / ".git")
+
+    def resolve(self, rev: str) -> str:
+        """The full commit id of ``rev``."""
+        proc = _git(self.path, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+        if proc.returncode != 0:
+            raise TorchPatchesError(f"{self.path} has no commit {rev!r}; fetch torchtitan's main branch there "
+                                    "(e.g. `git fetch origin main`) and try again")
+        return proc.stdout.decode().strip()
+
+    def files(self, paths: List[str], rev: Optional[str]) -> Dict[str, Optional[bytes]]:
+        """``paths`` at ``rev`` (a git source) or on disk (a plain directory: ``rev`` is None)."""
+        out: Dict[str, Optional[bytes]] = {}
+        for rel in paths:
+            if rev is None:
+                p = self.path / rel
+                out[rel] = p.read_bytes() if p.is_file() else None
+            else:
+                proc = _git(self.path, "cat-file", "blob", f"{rev}:{rel}")
+                out[rel] = proc.stdout if proc.returncode == 0 else None
+        return out
+
+    def log(self, since: str, rev: str, paths: List[str]) -> List[str]:
+        """``git log --oneline since..rev -- paths`` (empty if ``since`` is unknown here)."""
+        proc = _git(self.path, "log", "--oneline", "--no-decorate", f"{since}..{rev}", "--", *paths)
+        return proc.stdout.decode("utf-8", "replace").splitlines() if proc.returncode == 0 else []
+
+
+def _base_files(s: ConsumerSeries, source: SourceTree) -> Dict[str, Optional[bytes]]:
+    """The files the series was written against: at its commit, or a plain directory's after checking
+    their blob ids against the patches' ``index`` lines."""
+    files = source.files(s.paths, source.resolve(s.commit) if source.is_git else None)
+    problems = [f"{rel} is missing" for rel, data in files.items() if data is None]
+    problems += base_blob_mismatches(s, files)  # type: ignore[arg-type]  # duck-typed: file_patches
+    if problems:
+        raise TorchPatchesError(f"{source.path} is not {s.distribution} {s.base_label}, nothing was written:\n  "
+                                + "\n  ".join(problems) + "\nPass a git directory that has the commit, or "
+                                "its files (`git archive`)")
+    return files
+
+
+def export_from_source(s: ConsumerSeries, source: SourceTree, output: Path,
+                       results: Optional[dict] = None) -> Path:
+    """Write ``output`` for a branch series, from torchtitan's files at the series' commit."""
+    return _write_export(s, _base_files(s, source), output, results)
+
+
+def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = None) -> Tuple[List[str], bool]:
+    """Has the branch moved? The series against ``onto`` (a revision of a git source, default
+    ``HEAD``; a plain directory's files as they are): report lines, and whether every patch applies."""
+    from .upstream.onto import CONFLICTS, check_patch
+    if not source.is_git and onto:
+        raise TorchPatchesError(f"--onto {onto}: {source.path} is not a git directory (a plain directory "
+                                "is checked as it is)")
+    rev = source.resolve(onto or "HEAD") if source.is_git else None
+    lines = [f"series:      {s.directory} ({s.distribution} {s.base_label}, revision {s.revision})",
+             f"source:      {source.path}" + (f" at {rev[:9]} ({onto or 'HEAD'})" if rev else " (files on disk)")]
+    files = source.files(s.paths, rev)
+    mismatched = {line.split(" ", 1)[0] for line in base_blob_mismatches(s, files)}  # type: ignore[arg-type]
+    for rel in s.paths:
+        state = ("missing" if files[rel] is None else
+                 f"changed since {s.commit[:9]}" if rel in mismatched else f"as at {s.commit[:9]}")
+        lines.append(f"  {rel}: {state}")
+    if rev and mismatched:
+        lines += [f"  touched by {c}" for c in source.log(s.commit, rev, sorted(mismatched))]
+    moved = bool(mismatched) or any(data is None for data in files.values())
+    ok = True
+    for patch in s.patches:
+        verdict, details, files = check_patch(files, s.directory / patch.name)
+        ok = ok and verdict != CONFLICTS
+        lines.append(f"  {verdict:<22} {patch.name}")
+        lines += [f"  {'':<22}   {d}" for d in details]
+    if not moved:
+        state = "current: the files are the ones the series was written against"
+    elif ok:
+        state = (f"moved: {s.branch} changed the files since {s.commit[:9]}, the patches still apply; "
+                 "refresh the series (docs/consumers.md) before the PR")
+    else:
+        state = (f"moved: {s.branch} changed the files since {s.commit[:9]} and the series CONFLICTS; "
+                 "refresh it (docs/consumers.md)")
+    lines.append(f"state:       {state}")
+    return lines, ok
+
+
 # -- command line (``torch-patches torchtitan ACTION``) ------------------------------------
 def add_cli_arguments(p) -> None:
     p.add_argument("action", choices=("status", "apply", "revert", "export"))
-    p.add_argument("--series", metavar="DIR", default=None,
-                   help="consumer series directory (default: the newest under consumers/torchtitan/ "
-                        "of this checkout)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--target", metavar="NAME",
+                       help="series under consumers/torchtitan/ of this checkout: a release (0.3.0, the default "
+                            "for an installed torchtitan) or main-<commit> (export/status with --source)")
+    which.add_argument("--series", metavar="DIR", default=None, help="consumer series directory")
     p.add_argument("--python", metavar="PY", help="interpreter whose torchtitan to use (default: this one)")
     p.add_argument("-o", "--output", metavar="DIR", default="upstream-torchtitan",
                    help="export: output directory (default: upstream-torchtitan)")
     p.add_argument("--results", metavar="FILE", help="export: collective counts (JSON) for PR.md's table")
+    p.add_argument("--source", metavar="DIR", default=None,
+                   help=f"main-<commit> series: torchtitan's sources, a git directory or the commit's files "
+                        f"(default: ${SOURCE_ENV})")
+    p.add_argument("--onto", metavar="REV", help="main-<commit> series: status checks the series against this "
+                   "revision of the --source git directory (default: HEAD); export checks its output there")
+
+
+def _results(path: Optional[str]) -> Optional[dict]:
+    if not path:
+        return None
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TorchPatchesError(f"cannot read --results {path}: {exc}")
+
+
+def _run_branch_series(series: ConsumerSeries, args) -> int:
+    if args.action in ("apply", "revert"):
+        InstalledConsumer(series)  # raises: an installed torchtitan is a release
+    source = SourceTree(args.source or os.environ.get(SOURCE_ENV))
+    if args.action == "export":
+        out = export_from_source(series, source, Path(args.output), _results(args.results))
+        print(f"export: {len(series.patches)} patch(es) and PR.md -> {out} (checked against {series.distribution} "
+              f"{series.base_label}; apply in a checkout of that commit with `git am {GIT_AM_OPTIONS} {out}/*.patch`)")
+        if not args.onto:
+            return 0
+    lines, ok = check_source(series, source, args.onto)
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def run_cli(args) -> int:
-    series = load_consumer_series(Path(args.series) if args.series else None)
+    if args.series:
+        series = load_consumer_series(Path(args.series))
+    else:
+        series = load_consumer_series(consumer_dir(args.target) if args.target else None)
+    if series.commit:
+        return _run_branch_series(series, args)
     target = InstalledConsumer(series, args.python)
     if args.action == "status":
         print("\n".join(status(target)))
@@ -430,14 +648,8 @@ def run_cli(args) -> int:
     elif args.action == "revert":
         print(revert(target))
     else:
-        results = None
-        if args.results:
-            try:
-                results = json.loads(Path(args.results).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise TorchPatchesError(f"cannot read --results {args.results}: {exc}")
-        out = export(target, Path(args.output), results)
+        out = export(target, Path(args.output), _results(args.results))
         print(f"export: {len(series.patches)} patch(es) and PR.md -> {out} "
               f"(apply in a {series.distribution} v{series.version} checkout with "
-              f"`git am {out}/*.patch`)")
+              f"`git am {GIT_AM_OPTIONS} {out}/*.patch`)")
     return 0

@@ -177,7 +177,7 @@ def test_cli_and_export(tmp_path):
     assert (out / "0001-change.patch").read_text() == PATCH
     assert (out / "series").read_text() == "0001-change.patch\n"
     pr = (out / "PR.md").read_text()
-    assert "| s | w | 4 | - | - | 4 | kept | 0.00e+00 | - |" in pr and "git am 0001-change.patch" in pr
+    assert "| s | w | 4 | - | - | 4 | kept | 0.00e+00 | - |" in pr and "git am --keep-non-patch 0001-change.patch" in pr
     assert f"| `{MODULE}` | 0 | 0 |" in pr
     assert run("apply").returncode == 0
     assert "state:       applied" in run("status").stdout
@@ -219,7 +219,7 @@ def test_source_only_paths_are_skipped_and_exported(tmp_path):
     assert (exported / "series").read_text() == "0001-change.patch\n0002-test.patch\n"
     pr = (exported / "PR.md").read_text()
     assert f"| `{MODULE}` | 0 | 0 |" in pr and "tests/unit_tests/test_loss.py" not in pr.split("git am")[0]
-    assert "git am 0001-change.patch 0002-test.patch" in pr
+    assert "git am --keep-non-patch 0001-change.patch 0002-test.patch" in pr
     consumers.revert(target)
     assert _snapshot(site) == before
 
