@@ -556,13 +556,14 @@ def export_from_source(s: ConsumerSeries, source: SourceTree, output: Path,
 def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = None) -> Tuple[List[str], bool]:
     """Has the branch moved? The series against ``onto`` (a revision of a git source, default
     ``HEAD``; a plain directory's files as they are): report lines, and whether every patch applies."""
-    from .upstream.onto import CONFLICTS, check_patch
+    from .upstream.onto import CONFLICTS, IN_TREE, check_patch
     if not source.is_git and onto:
         raise TorchPatchesError(f"--onto {onto}: {source.path} is not a git directory (a plain directory "
                                 "is checked as it is)")
     rev = source.resolve(onto or "HEAD") if source.is_git else None
     lines = [f"series:      {s.directory} ({s.distribution} {s.base_label}, revision {s.revision})",
-             f"source:      {source.path}" + (f" at {rev[:9]} ({onto or 'HEAD'})" if rev else " (files on disk)")]
+             f"source:      {source.path}" + (f" at {rev[:9]}" + ("" if rev.startswith(onto or "HEAD") else
+                                                                  f" ({onto or 'HEAD'})") if rev else " (files on disk)")]
     files = source.files(s.paths, rev)
     mismatched = {line.split(" ", 1)[0] for line in base_blob_mismatches(s, files)}  # type: ignore[arg-type]
     for rel in s.paths:
@@ -572,14 +573,16 @@ def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = No
     if rev and mismatched:
         lines += [f"  touched by {c}" for c in source.log(s.commit, rev, sorted(mismatched))]
     moved = bool(mismatched) or any(data is None for data in files.values())
-    ok = True
+    ok, verdicts = True, set()
     for patch in s.patches:
         verdict, details, files = check_patch(files, s.directory / patch.name)
-        ok = ok and verdict != CONFLICTS
+        ok, verdicts = ok and verdict != CONFLICTS, verdicts | {verdict}
         lines.append(f"  {verdict:<22} {patch.name}")
         lines += [f"  {'':<22}   {d}" for d in details]
     if not moved:
         state = "current: the files are the ones the series was written against"
+    elif verdicts == {IN_TREE}:
+        state = f"merged: {s.branch} already has every patch of the series; retire it"
     elif ok:
         state = (f"moved: {s.branch} changed the files since {s.commit[:9]}, the patches still apply; "
                  "refresh the series (docs/consumers.md) before the PR")

@@ -12,11 +12,13 @@ import base64
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Optional, Tuple
 
 import pytest
 
@@ -246,3 +248,199 @@ def test_shipped_series_applies_to_installed_torchtitan(tmp_path):
     assert b"partial_backward(" in text
     consumers.revert(target)
     assert _snapshot(site) == before
+
+
+# -- a series against a commit of a branch (consumers/torchtitan/main-<sha>/) ----------------
+_GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@e", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+
+
+def _git(tree: Path, *args: str) -> str:
+    proc = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
+                          env=dict(os.environ, **_GIT_ENV))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _upstream(tmp_path: Path) -> Tuple[Path, str]:
+    """A torchtitan-shaped git repository written here (loss.py and its test), and its commit."""
+    repo = tmp_path / "upstream"
+    (repo / "torchtitan/components").mkdir(parents=True)
+    (repo / "tests/unit_tests").mkdir(parents=True)
+    (repo / MODULE).write_bytes(PRISTINE)
+    (repo / "tests/unit_tests/test_loss.py").write_bytes(b'import unittest\nassert "line 10"\n')
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "base")
+    return repo, _git(repo, "rev-parse", "HEAD")
+
+
+def _branch_series(tmp_path: Path, repo: Path, commit: str) -> Path:
+    """The series as the project writes one: commits on a scratch clone, then
+    ``git format-patch -N --zero-commit --full-index --no-signature``."""
+    work = tmp_path / "work"
+    _git(tmp_path, "clone", "-q", str(repo), str(work))
+    (work / MODULE).write_bytes(PRISTINE.replace(b"line 10\n", b"line ten\n"))
+    _git(work, "commit", "-q", "-am", "[loss] change line 10\n\nBug: none\nForwarded: not-needed\n"
+         "Last-Update: 2026-12-02")
+    (work / "tests/unit_tests/test_loss.py").write_bytes(b'import unittest\nassert "line ten"\n')
+    _git(work, "commit", "-q", "-am", "[loss] test the change\n\nBug: none\nForwarded: not-needed\n"
+         "Last-Update: 2026-12-02")
+    d = tmp_path / f"main-{commit[:9]}"
+    _git(work, "format-patch", "-q", "-N", "--zero-commit", "--full-index", "--no-signature", "-o", str(d),
+         f"{commit}..HEAD")
+    names = sorted(p.name for p in d.glob("*.patch"))
+    (d / "series").write_text("".join(n + "\n" for n in names))
+    (d / "manifest.ini").write_text("[base]\ndistribution = torchtitan\nrepository = pytorch/torchtitan\n"
+                                    f"branch = main\ncommit = {commit}\n[series]\nrevision = 1\n")
+    (d / "PR.md.in").write_text("{base} {short_commit}\n{patches}\n{private_counts}\n{apply}\n")
+    return d
+
+
+def _cli(series_dir: Path, *args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch_patches", "torchtitan", *args, "--series", str(series_dir)],
+                          capture_output=True, text=True, cwd=REPO,
+                          env=dict({k: v for k, v in os.environ.items() if k != consumers.SOURCE_ENV}, **(env or {})))
+
+
+def _am(tmp_path: Path, repo: Path, commit: str, export_dir: Path, paths) -> Path:
+    """``git am --keep-non-patch`` of an export onto the commit's files (a ``git archive`` in a new repo)."""
+    tree = tmp_path / "am"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", commit, *paths], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    _git(tree, "init", "-q")
+    _git(tree, "add", "-A")
+    _git(tree, "commit", "-q", "-m", f"archive of {commit}")
+    names = (export_dir / "series").read_text().split()
+    _git(tree, "am", "-q", consumers.GIT_AM_OPTIONS, *[str(export_dir / n) for n in names])
+    return tree
+
+
+@needs_git
+def test_branch_series_export_git_am_and_moved_check(tmp_path):
+    """A main-<sha> series: export from the source's commit (env or --source), git am of the
+    export onto that commit's files, and status --onto: current, moved but applying, conflicting."""
+    repo, commit = _upstream(tmp_path)
+    series_dir = _branch_series(tmp_path, repo, commit)
+    s = consumers.load_consumer_series(series_dir)
+    assert (s.commit, s.branch, s.version, s.base_label) == (commit, "main", "", f"main at {commit[:9]}")
+    out = tmp_path / "out"
+    proc = _cli(series_dir, "export", "-o", str(out), env={consumers.SOURCE_ENV: str(repo)})
+    assert proc.returncode == 0, proc.stderr
+    pr = (out / "PR.md").read_text()
+    assert pr.startswith(f"main at {commit[:9]} {commit[:9]}\n")
+    assert f"| `{MODULE}` | 0 | 0 |" in pr and "git am --keep-non-patch 0001-" in pr
+    tree = _am(tmp_path, repo, commit, out, ["torchtitan", "tests"])
+    assert (tree / MODULE).read_bytes() == PRISTINE.replace(b"line 10\n", b"line ten\n")
+    assert _git(tree, "log", "-1", "--format=%s", "HEAD~1") == "[loss] change line 10"
+    # status: current at the commit
+    proc = _cli(series_dir, "status", "--source", str(repo))
+    assert proc.returncode == 0 and "state:       current" in proc.stdout, proc.stdout + proc.stderr
+    # main moves away from the patched lines: the patches apply with offsets
+    (repo / MODULE).write_bytes(b"new first line\n" + PRISTINE)
+    _git(repo, "commit", "-q", "-am", "upstream: a line on top")
+    proc = _cli(series_dir, "status", "--source", str(repo))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{MODULE}: changed since {commit[:9]}" in proc.stdout
+    assert "touched by" in proc.stdout and "upstream: a line on top" in proc.stdout
+    assert "applies with offsets" in proc.stdout and "state:       moved: main changed" in proc.stdout
+    # ... and over them: the series conflicts (exit 1); the old commit is still current
+    (repo / MODULE).write_bytes(PRISTINE.replace(b"line 10\n", b"line X\n"))
+    _git(repo, "commit", "-q", "-am", "upstream: line 10 changes")
+    proc = _cli(series_dir, "status", "--source", str(repo))
+    assert proc.returncode == 1 and "the series CONFLICTS" in proc.stdout, proc.stdout
+    assert "state:       current" in _cli(series_dir, "status", "--source", str(repo), "--onto", commit).stdout
+    # export still writes the PR for the series' commit, and --onto checks it against main
+    proc = _cli(series_dir, "export", "-o", str(tmp_path / "out2"), "--source", str(repo), "--onto", "HEAD")
+    assert proc.returncode == 1 and "export: 2 patch(es)" in proc.stdout and "CONFLICTS" in proc.stdout
+
+
+@needs_git
+def test_branch_series_refusals(tmp_path):
+    """No source, a plain directory that is not the commit, apply/revert: clear errors, nothing written."""
+    repo, commit = _upstream(tmp_path)
+    series_dir = _branch_series(tmp_path, repo, commit)
+    proc = _cli(series_dir, "export", "-o", str(tmp_path / "out"))
+    assert proc.returncode == 1 and f"pass --source DIR or set {consumers.SOURCE_ENV}" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    plain = tmp_path / "plain"
+    (plain / "torchtitan/components").mkdir(parents=True)
+    (plain / "tests/unit_tests").mkdir(parents=True)
+    (plain / MODULE).write_bytes(PRISTINE)
+    (plain / "tests/unit_tests/test_loss.py").write_bytes(b"something else\n")
+    proc = _cli(series_dir, "export", "-o", str(tmp_path / "out"), "--source", str(plain))
+    assert proc.returncode == 1 and "is not torchtitan main at" in proc.stderr, proc.stderr
+    assert "tests/unit_tests/test_loss.py is blob" in proc.stderr and not (tmp_path / "out").exists()
+    (plain / "tests/unit_tests/test_loss.py").write_bytes(b'import unittest\nassert "line 10"\n')
+    proc = _cli(series_dir, "export", "-o", str(tmp_path / "out"), "--source", str(plain))
+    assert proc.returncode == 0, proc.stderr  # a plain directory with the commit's blobs
+    proc = _cli(series_dir, "status", "--source", str(plain), "--onto", "HEAD")
+    assert proc.returncode == 1 and "not a git directory" in proc.stderr
+    for action in ("apply", "revert"):
+        proc = _cli(series_dir, action, "--source", str(repo))
+        assert proc.returncode == 3 and "not a release" in proc.stderr, proc.stderr
+    proc = _cli(series_dir, "status", "--source", str(repo), "--onto", "no-such-rev")
+    assert proc.returncode == 1 and "has no commit 'no-such-rev'" in proc.stderr
+
+
+def test_shipped_targets():
+    """Both shipped series load; without --target the release series is the default (apply/revert/status
+    of an installed torchtitan and the benchmark's series), and --target names the others."""
+    assert consumers.default_consumer_dir().name == "0.3.0"
+    names = [d.name for d in consumers.consumer_dirs()]
+    assert "0.3.0" in names and any(n.startswith("main-") for n in names)
+    for name in names:
+        s = consumers.load_consumer_series(consumers.consumer_dir(name))
+        assert [p.name for p in s.patches] and all(not p.missing_dep3() for p in s.patches)
+        if s.commit:
+            assert name == f"main-{s.commit[:9]}" and s.branch == "main"
+            # --full-index: the index lines name the commit's blobs exactly (the moved check)
+            assert all(len(fp.old_blob) == 40 for fp in s.file_patches)
+        else:
+            assert name == s.version
+    with pytest.raises(TorchPatchesError, match="targets: 0.3.0, main-"):
+        consumers.consumer_dir("nope")
+
+
+def _main_source() -> Tuple[Path, "consumers.ConsumerSeries"]:
+    source = os.environ.get(consumers.SOURCE_ENV)
+    if not source:
+        pytest.skip(f"{consumers.SOURCE_ENV} is not set: point it at a torchtitan git directory (a checkout or "
+                    "a bare clone) that has the main-<sha> series' commit, or at that commit's files")
+    (main_dir,) = [d for d in consumers.consumer_dirs() if d.name.startswith("main-")]
+    return Path(source), consumers.load_consumer_series(main_dir)
+
+
+@needs_git
+def test_shipped_main_series_on_torchtitan_main(tmp_path):
+    """With $TORCHTITAN_SOURCE: the export of the shipped main series applies with ``git am`` onto the
+    commit's files, and the patched files reference no private FSDP state (the check the installed
+    0.3.0 series gets in test/consumers/torchtitan/test_consumer_patch.py)."""
+    source, s = _main_source()
+    tree = consumers.SourceTree(str(source))
+    out = consumers.export_from_source(s, tree, tmp_path / "out")
+    if tree.is_git:
+        am = _am(tmp_path, source, s.commit, out, s.paths)
+    else:  # the commit's files: copy the ones the series patches
+        am = tmp_path / "am"
+        for rel in s.paths:
+            (am / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / rel, am / rel)
+        _git(am, "init", "-q")
+        _git(am, "add", "-A")
+        _git(am, "commit", "-q", "-m", "the commit's files")
+        _git(am, "am", "-q", consumers.GIT_AM_OPTIONS, *[str(out / p.name) for p in s.patches])
+    subjects = _git(am, "log", f"-{len(s.patches)}", "--reverse", "--format=%s").splitlines()
+    assert subjects == [p.subject for p in s.patches]
+    loss = (am / MODULE).read_text()
+    counts = consumers.private_references(loss.encode())
+    assert sum(counts.values()) == 0, counts
+    for setter in ("set_reshard_after_forward(", "set_reshard_after_backward(", "set_requires_gradient_sync("):
+        assert setter not in loss
+    for call in ("partial_backward(", "finish_forward(", "fsdp_policy("):
+        assert call in loss
+    assert "| `torchtitan/components/loss.py` | 0 | 0 |" in (out / "PR.md").read_text()
+    lines, ok = consumers.check_source(s, tree, s.commit if tree.is_git else None)
+    assert ok and lines[-1].startswith("state:       current"), lines
