@@ -57,11 +57,10 @@ from typing import Dict, List, Optional, Tuple
 from .distinfo import metadata_headers
 from .errors import PatchApplyError, TorchPatchesError
 from .fsutil import write_files
-from .patching import apply_patches
-from .patching import FilePatch
+from .patching import FilePatch, apply_patches
 from .record import Record
 from .series import Patch, read_patches
-from .state import base_blob_mismatches
+from .state import base_blob_mismatches, retired_reason
 
 #: The repository's consumer series (present in a checkout, not in an installed package).
 CONSUMERS_ROOT = Path(__file__).resolve().parent.parent / "consumers"
@@ -555,8 +554,8 @@ def export_from_source(s: ConsumerSeries, source: SourceTree, output: Path,
 
 def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = None) -> Tuple[List[str], bool]:
     """Has the branch moved? The series against ``onto`` (a revision of a git source, default
-    ``HEAD``; a plain directory's files as they are): report lines, and whether every patch applies."""
-    from .upstream.onto import CONFLICTS, IN_TREE, check_patch
+    ``HEAD``; a plain directory's files as they are): report lines, and whether every patch applies
+    (with the strict applier: hunks may have moved, their lines may not have changed)."""
     if not source.is_git and onto:
         raise TorchPatchesError(f"--onto {onto}: {source.path} is not a git directory (a plain directory "
                                 "is checked as it is)")
@@ -573,15 +572,20 @@ def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = No
     if rev and mismatched:
         lines += [f"  touched by {c}" for c in source.log(s.commit, rev, sorted(mismatched))]
     moved = bool(mismatched) or any(data is None for data in files.values())
-    ok, verdicts = True, set()
-    for patch in s.patches:
-        verdict, details, files = check_patch(files, s.directory / patch.name)
-        ok, verdicts = ok and verdict != CONFLICTS, verdicts | {verdict}
-        lines.append(f"  {verdict:<22} {patch.name}")
-        lines += [f"  {'':<22}   {d}" for d in details]
+    verdicts = []
+    for patch in s.patches:  # in order, each on the files the ones before it made
+        retired = retired_reason(patch, files)
+        try:
+            files, verdict = apply_patches(files, list(patch.files), where=patch.name), "applies"
+        except PatchApplyError as exc:
+            verdict = "already in tree" if retired else "conflicts"
+            retired = retired or str(exc).replace(f"{patch.name}: ", "", 1)
+        verdicts.append(verdict)
+        lines.append(f"  {verdict:<16} {patch.name}" + (f"\n  {'':<16}   {retired}" if retired else ""))
+    ok = "conflicts" not in verdicts
     if not moved:
         state = "current: the files are the ones the series was written against"
-    elif verdicts == {IN_TREE}:
+    elif set(verdicts) == {"already in tree"}:
         state = f"merged: {s.branch} already has every patch of the series; retire it"
     elif ok:
         state = (f"moved: {s.branch} changed the files since {s.commit[:9]}, the patches still apply; "

@@ -345,12 +345,13 @@ def test_branch_series_export_git_am_and_moved_check(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"{MODULE}: changed since {commit[:9]}" in proc.stdout
     assert "touched by" in proc.stdout and "upstream: a line on top" in proc.stdout
-    assert "applies with offsets" in proc.stdout and "state:       moved: main changed" in proc.stdout
+    assert "  applies          0001-" in proc.stdout and "state:       moved: main changed" in proc.stdout
     # ... and over them: the series conflicts (exit 1); the old commit is still current
     (repo / MODULE).write_bytes(PRISTINE.replace(b"line 10\n", b"line X\n"))
     _git(repo, "commit", "-q", "-am", "upstream: line 10 changes")
     proc = _cli(series_dir, "status", "--source", str(repo))
     assert proc.returncode == 1 and "the series CONFLICTS" in proc.stdout, proc.stdout
+    assert "  conflicts        0001-" in proc.stdout and f"does not apply to {MODULE}" in proc.stdout
     assert "state:       current" in _cli(series_dir, "status", "--source", str(repo), "--onto", commit).stdout
     # export still writes the PR for the series' commit, and --onto checks it against main
     proc = _cli(series_dir, "export", "-o", str(tmp_path / "out2"), "--source", str(repo), "--onto", "HEAD")
