@@ -22,6 +22,7 @@ unchanged across every step. The retry is bitwise equal to a clean run.
 
 import contextlib
 import copy
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from torch.distributed.pipelining import (
 )
 from torch.testing._internal.common_utils import run_tests
 
-from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.components.loss import ChunkedLossWrapper, GradAccumulator
 
 
 _TEST_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,8 +110,26 @@ class Decoder(nn.Module):
         return self.lm_head(h)
 
 
+# torchtitan main since "fold batch dim" (#4121; consumers/torchtitan/main-<sha>/)
+# takes hidden states [T, D] and labels [T], chunked along dim 0; the 0.3.0
+# release takes [B, L, D] and [B, L]. With main's sources first on PYTHONPATH
+# this file tests main's patched wrapper on the same [B, L] batches, folded.
+FOLDED = inspect.signature(GradAccumulator).parameters["seq_dim"].default == 0
+
+
+class FoldedChunkedLossWrapper(ChunkedLossWrapper):
+    """Main's wrapper on this file's ``[B, L, D]`` hidden states: folds them
+    (and the labels) into tokens as torchtitan main's models do."""
+
+    def __call__(self, pred, labels, global_valid_tokens=None, **loss_inputs):
+        return super().__call__(
+            pred.flatten(0, 1), labels.flatten(0, 1), global_valid_tokens, **loss_inputs
+        )
+
+
 def make_wrapper(lm_head: nn.Module) -> ChunkedLossWrapper:
-    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=NUM_CHUNKS))
+    cls = FoldedChunkedLossWrapper if FOLDED else ChunkedLossWrapper
+    wrapper = cls(ChunkedLossWrapper.Config(num_chunks=NUM_CHUNKS))
     wrapper.set_lm_head(lm_head)
     return wrapper
 
