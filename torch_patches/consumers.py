@@ -13,8 +13,9 @@ checkout's, read at the commit, or a plain directory whose files must be the
 blobs the patches' ``index`` lines name). ``export`` writes its PR from there;
 ``status`` checks it against another revision of main (``--onto REV``, default
 the source's ``HEAD``): *current* (the files are the blobs the series was
-written against), *moved* (they changed, and each patch applies cleanly or
-with offsets) or *conflicts* (refresh the series, see docs/consumers.md).
+written against), *moved* (they changed; the patches still apply, or they
+conflict: refresh the series, see docs/consumers.md) or *merged* (every patch
+reverse-applies).
 ``apply``/``revert`` take only a release series: they patch an installed
 release.
 
@@ -560,9 +561,11 @@ def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = No
         raise TorchPatchesError(f"--onto {onto}: {source.path} is not a git directory (a plain directory "
                                 "is checked as it is)")
     rev = source.resolve(onto or "HEAD") if source.is_git else None
+    where = " (files on disk)"
+    if rev is not None:
+        where = f" at {rev[:9]}" + ("" if onto and rev.startswith(onto) else f" ({onto or 'HEAD'})")
     lines = [f"series:      {s.directory} ({s.distribution} {s.base_label}, revision {s.revision})",
-             f"source:      {source.path}" + (f" at {rev[:9]}" + ("" if rev.startswith(onto or "HEAD") else
-                                                                  f" ({onto or 'HEAD'})") if rev else " (files on disk)")]
+             f"source:      {source.path}{where}"]
     files = source.files(s.paths, rev)
     mismatched = {line.split(" ", 1)[0] for line in base_blob_mismatches(s, files)}  # type: ignore[arg-type]
     for rel in s.paths:
@@ -647,6 +650,9 @@ def run_cli(args) -> int:
         series = load_consumer_series(consumer_dir(args.target) if args.target else None)
     if series.commit:
         return _run_branch_series(series, args)
+    if args.source or args.onto:
+        raise TorchPatchesError(f"--source and --onto are for a series against a torchtitan commit "
+                                f"(--target main-<commit>); {series.name} patches the installed release")
     target = InstalledConsumer(series, args.python)
     if args.action == "status":
         print("\n".join(status(target)))

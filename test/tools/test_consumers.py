@@ -183,6 +183,8 @@ def test_cli_and_export(tmp_path):
     assert f"| `{MODULE}` | 0 | 0 |" in pr
     assert run("apply").returncode == 0
     assert "state:       applied" in run("status").stdout
+    proc = run("status", "--onto", "HEAD")  # for a series against a commit only
+    assert proc.returncode == 1 and "--source and --onto are for a series against a torchtitan commit" in proc.stderr
     assert run("revert").returncode == 0
 
 
