@@ -461,28 +461,33 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
-def analyse_overlap(prof, num_layers: int) -> dict:
-    """From one profiled step: the head group's post-backward ranges (:data:`HEAD_MARK`), the decoder
-    backward windows (from the top block's backward start to ``layers.0``'s end, per microbatch), and,
-    with CUDA, the device work launched inside them: the head's on streams other than the compute
-    stream (the one most decoder-backward kernels ran on), and the time it overlaps decoder kernels."""
+def profile_records(prof) -> tuple[list, dict, list]:
+    """From the profiler's kineto events: the marks ``(start, end, name)`` (:data:`MARK` ranges); the
+    operators' starts ``{id: start}`` (CPU events linked to nothing; device work links to its operator
+    by ``linked_correlation_id``, as ``torch.autograd.profiler`` attaches kernels to operators); the
+    device work ``(name, start, end, stream, operator id)``. Times in ns."""
     from torch._C._autograd import DeviceType
 
-    # The id of an operator (a CPU event linked to nothing) -> its start; device work links to it by
-    # linked_correlation_id, as torch.autograd.profiler attaches kernels to operators
-    launches: dict[int, int] = {}
-    marks, device_events = [], []
+    marks, ops, work = [], {}, []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() == DeviceType.CPU:
             if e.name().startswith(MARK):
                 marks.append((e.start_ns(), e.end_ns(), e.name()))
             elif e.linked_correlation_id() == 0:
-                launches.setdefault(e.correlation_id(), e.start_ns())
+                ops.setdefault(e.correlation_id(), e.start_ns())
         elif e.activity_type() != "gpu_user_annotation":
-            device_events.append(e)
+            work.append((e.name(), e.start_ns(), e.end_ns(), e.device_resource_id(), e.linked_correlation_id()))
+    return marks, ops, work
+
+
+def analyse_overlap(marks: list, ops: dict, work: list, num_layers: int) -> dict:
+    """The head group's reductions (:data:`HEAD_MARK` ranges), the decoder backward windows (from the
+    top block's backward start to ``layers.0``'s end, one per microbatch) and, with device work, the
+    work launched inside them (by operators that started there): the head's on streams other than the
+    compute stream (the one most decoder-backward work ran on), and how long it overlaps the decoder's."""
     heads = sorted((s, t) for s, t, n in marks if n == HEAD_MARK)
     ends = sorted(s for s, _, n in marks if n == f"{MARK}.end.0")
-    windows = []
+    windows: list[tuple[int, int]] = []
     for s in sorted(s for s, _, n in marks if n == f"{MARK}.start.{num_layers - 1}"):
         end = next((t for t in ends if t >= s), None)
         if end is not None and not (windows and windows[-1][1] == end):
@@ -491,26 +496,24 @@ def analyse_overlap(prof, num_layers: int) -> dict:
     if windows:  # the reducing (last) microbatch: head reductions issued before its decoder backward
         after = windows[-2][1] if len(windows) > 1 else -1
         out["head_reduce_before_decoder_bwd"] = sum(after <= s and t <= windows[-1][0] for s, t in heads)
-    if not device_events:
-        return out
 
-    def launched_in(e, ranges) -> bool:
-        t = launches.get(e.linked_correlation_id())
+    def launched_in(w, ranges) -> bool:
+        t = ops.get(w[4])
         return t is not None and any(a <= t <= b for a, b in ranges)
 
-    decoder = [e for e in device_events if launched_in(e, windows)]
+    decoder = [w for w in work if launched_in(w, windows)]
     if not decoder:
         return out
-    compute = collections.Counter(e.device_resource_id() for e in decoder).most_common(1)[0][0]
-    busy = _merged([(e.start_ns(), e.end_ns()) for e in decoder if e.device_resource_id() == compute])
-    head = [e for e in device_events if launched_in(e, heads) and e.device_resource_id() != compute]
-    overlap = sum(max(0, min(e.end_ns(), b) - max(e.start_ns(), a)) for e in head for a, b in busy)
-    head_ns = sum(e.duration_ns() for e in head)
-    out.update(head_reduce_kernels=len(head), head_reduce_kernel_names=sorted({e.name()[:60] for e in head}),
+    compute = collections.Counter(w[3] for w in decoder).most_common(1)[0][0]
+    busy = _merged([(w[1], w[2]) for w in decoder if w[3] == compute])
+    head = [w for w in work if launched_in(w, heads) and w[3] != compute]
+    overlap = sum(max(0, min(w[2], b) - max(w[1], a)) for w in head for a, b in busy)
+    head_ns = sum(w[2] - w[1] for w in head)
+    out.update(head_reduce_kernels=len(head), head_reduce_kernel_names=sorted({w[0][:60] for w in head}),
                head_reduce_us=head_ns / 1e3, overlap_us=overlap / 1e3,
                overlap_share=overlap / head_ns if head_ns else None,
                decoder_bwd_kernel_us=sum(b - a for a, b in busy) / 1e3, compute_stream=compute,
-               head_streams=sorted({e.device_resource_id() for e in head}))
+               head_streams=sorted({w[3] for w in head}))
     return out
 
 
@@ -528,7 +531,7 @@ def profiled_step(model, optim, fn, batches, tokens_per_step: int, device, num_l
     finally:
         for h in handles:
             h.remove()
-    return analyse_overlap(prof, num_layers)
+    return analyse_overlap(*profile_records(prof), num_layers)
 
 
 def perf_rank(rank: int, world: int, device_type: str, shape: dict, methods: list[str], steps: int) -> dict:
