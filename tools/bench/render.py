@@ -750,6 +750,18 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                       lambda p: f"Command: `{p['command']}`.",
                       # the meta line is the section's; PR.md, which has no other, repeats it in its note
                       lambda d: [collective_table({k: v for k, v in d.items() if k != "meta"}).strip()])
+    gpu = _read(res, "gpu-check.json")
+    parts.append("**8. GPU check** (`tools/gpu_check.py`: correctness under the CUDA sanitizer, memory at "
+                 "scale on the fake process group, reduce-scatter overlap, step time; see "
+                 "[GPU check](#gpu-check-toolsgpu_checkpy) below)")
+    if gpu:
+        m = gpu["params"]["machine"]
+        parts.append(f"Command: `{gpu['params']['command']}` on {m.get('gpus')} x {m.get('gpu')} (CUDA "
+                     f"{m.get('cuda')}, NCCL {m.get('nccl')}). {meta_line(gpu)}")
+        parts.append(gpu_check_tables(gpu))
+    else:
+        parts.append("Not measured yet: no `gpu-check.json` (`python tools/gpu_check.py` has not run on a "
+                     "CUDA machine).")
     return "\n\n".join(parts) + "\n"
 
 
