@@ -39,9 +39,10 @@ parts, each in its own processes, with progress lines:
    unsharded weights; its unsharded gradients), max over the step. Methods:
    full logits; torchtitan 0.3.0's ``ChunkedLossWrapper`` as released; the same
    with the consumer series; this series' API loop.
-3. **overlap**: NCCL ranks without the sanitizer, the same shape and methods,
-   the profiler over one step: the device work on the reduce-scatter stream
-   that the head group's post-backward launched, and how much of its time
+3. **overlap**: NCCL ranks without the sanitizer (2 gloo ranks with ``--cpu``),
+   the same shape and methods, the profiler over one step: the device work
+   that the head group's reduction (``foreach_reduce`` in its post-backward)
+   launched on streams other than the compute stream, and how much of its time
    overlaps the decoder backward's kernels on the compute stream. On CPU there
    are no streams (gloo runs collectives in the calling thread): only whether
    the head's reduction was issued before the decoder backward of the reducing
@@ -424,7 +425,7 @@ def scale_rank(rank: int, world: int, device_type: str, shape: dict, methods: li
         run_step(model, optim, fns[name], [batch(gen, shape, device) for _ in range(MICROBATCHES)], tokens_per_step)
         held = {"weight": 0, "grad": 0, "blocks": 0}
 
-        def at_block(kind: str, i: int) -> None:
+        def at_block(kind: str, i: int, model=model, held=held) -> None:
             if kind == "start":
                 weight, grad = head_resident(model)
                 held.update(weight=max(held["weight"], weight), grad=max(held["grad"], grad),
@@ -587,7 +588,8 @@ def checks(params: dict, res: dict) -> list[dict]:
         label = f"{row['config']}, {row['head']} head"
         check(f"{label}: gradients", row["max_grad_diff"] <= GRAD_RTOL * row["max_grad"],
               f"max |g - g_ref| {row['max_grad_diff']:.3g} <= {GRAD_RTOL:g} x {row['max_grad']:.3g}")
-        for i, counts in enumerate(row["ranks"] if row["part"] == "pp" else [{"groups": row["groups"], **row["series"]}]):
+        per_rank = row["ranks"] if row["part"] == "pp" else [{"groups": row["groups"], **row["series"]}]
+        for i, counts in enumerate(per_rank):
             g = counts["groups"]
             want = {"reductions": g, "reduce_scatter": g if row["shard_size"] > 1 else 0,
                     **({"all_reduce": g} if row.get("hsdp") else {})}
@@ -624,7 +626,8 @@ def row_line(row: dict) -> str:
 
 
 def memory_line(row: dict) -> str:
-    return (f"  {render.GPU_CHECK_METHODS[row['method']]}: peak {row['peak_bytes'] / 2**20:.1f} MiB above the step's start; "
+    return (f"  {render.GPU_CHECK_METHODS[row['method']]}: peak {row['peak_bytes'] / 2**20:.1f} MiB above the "
+            "step's start; "
             f"head weight held {row['head_weight_bytes'] / 2**20:.1f} MiB in {row['blocks_with_head_weight']} of "
             f"{row['blocks']} block backwards, head grads {row['head_grad_bytes'] / 2**20:.1f} MiB")
 
@@ -635,7 +638,8 @@ def perf_line(name: str, times: list[float], overlap) -> str:
         line += (f"; head reductions {overlap['head_reduce_calls']}, "
                  f"{overlap.get('head_reduce_before_decoder_bwd', '-')} before the reducing decoder backward")
         if "overlap_us" in overlap:
-            line += f"; head reduce kernels {overlap['head_reduce_us']:.0f} us, {overlap['overlap_us']:.0f} us overlapped"
+            line += (f"; head reduce kernels {overlap['head_reduce_us']:.0f} us, "
+                     f"{overlap['overlap_us']:.0f} us overlapped")
     return line
 
 
@@ -676,7 +680,8 @@ def run_part(name: str, fn, world: int, *args, backend: str, start_method: str, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: gloo ranks, the fake process group")
-    p.add_argument("--world-size", type=int, help="ranks of parts 1, 3, 4 (default: the GPU count; 4 with --cpu)")
+    p.add_argument("--world-size", type=int, help="ranks of parts 1, 3 and 4 (default: the GPU count; with --cpu 4, "
+                   "and at most 2 for parts 3-4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per method (default 5; 1 with --cpu)")
     p.add_argument("--out", type=Path, help="the JSON file (default: tools/bench/results/gpu-check.json on CUDA, "
                    "gpu-check-cpu.json in the temporary directory with --cpu)")
@@ -702,19 +707,24 @@ def main(argv=None) -> int:
              f"methods {', '.join(methods)}{'; ' + note if note else ''}")
     res: dict = {}
     progress(f"[1/3] correctness: {launch['backend']} world {world}, "
-             f"{'TORCH_CUDA_SANITIZER=1' if not args.cpu else 'no sanitizer on CPU'}, {render.shape_text(shapes['check'])}")
+             f"{'TORCH_CUDA_SANITIZER=1' if not args.cpu else 'no sanitizer on CPU'}, "
+             f"{render.shape_text(shapes['check'])}")
     res["correctness"] = run_part("correctness", check_rank, world, kind, shapes["check"], 2, **launch,
                                   env={} if args.cpu else {"TORCH_CUDA_SANITIZER": "1"})
     progress(f"[2/3] memory at scale: fake process group, world {SCALE_WORLD}, {render.shape_text(shapes['scale'])}")
     res["memory"] = run_part("memory", scale_rank, SCALE_WORLD, kind, shapes["scale"], methods, backend="fake",
                              start_method=launch["start_method"], env={})
-    progress(f"[3/3] overlap and step time: {launch['backend']} world {world}, {render.shape_text(shapes['perf'])}, "
+    # On CPU two ranks run the same code as four, in less time on a small machine
+    perf_world = min(world, 2) if args.cpu else world
+    progress(f"[3/3] overlap and step time: {launch['backend']} world {perf_world}, "
+             f"{render.shape_text(shapes['perf'])}, "
              f"{steps} timed steps per method")
-    res["perf"] = run_part("perf", perf_rank, world, kind, shapes["perf"], methods, steps, **launch, env={})
+    res["perf"] = run_part("perf", perf_rank, perf_world, kind, shapes["perf"], methods, steps, **launch, env={})
     command = "python tools/gpu_check.py" + " --cpu" * args.cpu + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         if k not in ("cpu", "out") and v is not None)
-    params = {"command": command, "device": kind, "world_size": world, "scale_world_size": SCALE_WORLD,
+    params = {"command": command, "device": kind, "world_size": world, "perf_world_size": perf_world,
+              "scale_world_size": SCALE_WORLD,
               "shapes": shapes, "microbatches": MICROBATCHES, "num_chunks": NUM_CHUNKS, "steps": steps,
               "methods": methods, "note": note, "torch_series": results.torch_series(),
               "machine": machine(args.cpu), "grad_rtol": GRAD_RTOL}

@@ -549,7 +549,8 @@ def gpu_check_tables(data: dict) -> str:
                              _reduction_counts(r["full"]), grads])
         sanitizer = "on" if corr["sanitizer"] else "off"
         parts.append(f"Correctness ({p['machine']['device']}, world {p['world_size']}, CUDA sanitizer {sanitizer}; "
-                     f"{shape_text(p['shapes']['check'])}, {p['microbatches']} microbatches, {p['num_chunks']} chunks):\n\n"
+                     f"{shape_text(p['shapes']['check'])}, {p['microbatches']} microbatches, "
+                     f"{p['num_chunks']} chunks):\n\n"
                      + table(["config", "head", "FSDP groups (minimum)", "series: reductions / RS / AR",
                               "full logits: reductions / RS / AR", "max abs grad diff (largest entry)"], rows))
     mem = res["memory"]
@@ -578,7 +579,7 @@ def gpu_check_tables(data: dict) -> str:
                          f"{o['head_reduce_calls']} ({o.get('head_reduce_before_decoder_bwd', '-')})" if o else "",
                          f"{o['head_reduce_us']:.0f}" if "head_reduce_us" in o else "-",
                          f"{o['overlap_us']:.0f} ({share:.0%})" if share is not None else "-"])
-        parts.append(f"Overlap and step time ({p['machine']['device']}, world {p['world_size']}, "
+        parts.append(f"Overlap and step time ({p['machine']['device']}, world {p['perf_world_size']}, "
                      f"{shape_text(p['shapes']['perf'])}, median of {p['steps']} steps):\n\n"
                      + table(["method", "median ms/step", "/ full logits",
                               "head reductions (before the reducing decoder bwd)", "head reduce device us",
