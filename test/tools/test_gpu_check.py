@@ -118,6 +118,27 @@ def test_overlap_analysis_of_device_work():
         "head_reduce_calls", "decoder_bwd_windows", "head_reduce_before_decoder_bwd"}
 
 
+def test_head_resident_bytes_see_an_unsharded_head():
+    """The memory part's head measure is not blind: the grouped head's all-gathered bf16 weights
+    (lm_head and the norm's weight and bias) count while unsharded, and nothing once resharded."""
+    import gpu_check
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    shape = gpu_check.SHAPES["cpu"]["scale"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        model = gpu_check.build_scaled(shape, gpu_check.common.make_mesh("fsdp"), torch.device("cpu"))
+        assert gpu_check.head_resident(model) == (0, 0)
+        model.lm_head.unshard()
+        assert gpu_check.head_resident(model) == (2 * (shape["vocab"] * shape["dim"] + 2 * shape["dim"]), 0)
+        model.lm_head.reshard()
+        assert gpu_check.head_resident(model) == (0, 0)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_without_cuda_one_line_and_non_zero_exit(monkeypatch, capsys):
     import gpu_check
 
