@@ -81,29 +81,30 @@ class TinyLM(nn.Module):
         return self.norm(h)
 
 
-def shard(model: TinyLM, *, head: str, mesh) -> int:
-    """Applies FSDP (1-D mesh) or HSDP (2-D mesh); returns the number of FSDP groups with params."""
+def shard(model: TinyLM, *, head: str, mesh, **fsdp_kwargs) -> int:
+    """Applies FSDP (1-D mesh) or HSDP (2-D mesh), with ``fsdp_kwargs`` (e.g. ``mp_policy``) for every
+    group; returns the number of FSDP groups with params."""
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
     if head == "separate":
-        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh, **fsdp_kwargs)
     elif head == "grouped":
-        fully_shard([model.norm, model.lm_head], mesh=mesh)
+        fully_shard([model.norm, model.lm_head], mesh=mesh, **fsdp_kwargs)
     elif head == "tied":
         # A tied weight must live in one group with both of its users
-        fully_shard([model.tok_embeddings, model.lm_head], mesh=mesh)
+        fully_shard([model.tok_embeddings, model.lm_head], mesh=mesh, **fsdp_kwargs)
     else:
         raise ValueError(head)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
     # layers + head group + root (root keeps embeddings and/or norm)
     return len(model.layers) + 2
 
 
-def make_mesh(kind: str):
+def make_mesh(kind: str, device_type: str = "cpu"):
     world = dist.get_world_size()
     if kind == "hsdp":
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        return init_device_mesh(device_type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,))
 
 
 def group_label(model: TinyLM):
@@ -151,7 +152,7 @@ def microbatch_a(model, tokens, labels, *, num_chunks, scale, last):
     with model.fsdp_policy(requires_gradient_sync=last, recurse=True, is_last_backward=last):
         h = model(tokens)
         h_chunks = [c.detach().requires_grad_(True) for c in h.chunk(num_chunks, dim=1)]
-        total = torch.zeros(())
+        total = torch.zeros((), device=h.device)
         with model.lm_head.partial_backward(outer_backward=True):
             for h_chunk, label_chunk in zip(h_chunks, labels.chunk(num_chunks, dim=1)):
                 logits = model.lm_head.finish_forward(model.lm_head(h_chunk))
@@ -168,11 +169,12 @@ def _set_caller_policy(model, last: bool) -> None:
     model.set_is_last_backward(last)
 
 
-def make_microbatch_b(num_chunks: int, tokens_per_step: int):
-    """(b) torchtitan's ChunkedLossWrapper, unchanged."""
-    from torchtitan.components.loss import ChunkedLossWrapper
+def make_microbatch_b(num_chunks: int, tokens_per_step: int, wrapper_cls=None):
+    """(b) torchtitan's ChunkedLossWrapper, unchanged (or ``wrapper_cls``, another version of it)."""
+    if wrapper_cls is None:
+        from torchtitan.components.loss import ChunkedLossWrapper as wrapper_cls
 
-    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=num_chunks))
+    wrapper = wrapper_cls(wrapper_cls.Config(num_chunks=num_chunks))
     gvt = torch.tensor(float(tokens_per_step))
 
     def microbatch_b(model, tokens, labels, *, num_chunks, scale, last):
@@ -192,7 +194,7 @@ def microbatch_c(model, tokens, labels, *, num_chunks, scale, last):
     head = model.lm_head
     h = model(tokens)
     h_chunks = [c.detach().requires_grad_(True) for c in h.chunk(num_chunks, dim=1)]
-    total = torch.zeros(())
+    total = torch.zeros((), device=h.device)
     # Keep the head unsharded and unreduced across chunks
     head.set_reshard_after_forward(False)
     head.set_reshard_after_backward(False)
@@ -267,9 +269,16 @@ def runnable(methods: list[str], *, no_torchtitan: bool) -> list[str]:
 # --------------------------------------------------------------------------- launcher
 
 
-def _worker(rank, world_size, store_path, fn, args, out_dir):
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+def _worker(rank, world_size, store_path, fn, args, out_dir, backend="gloo"):
+    if backend == "fake":  # one process standing for rank 0 of a world that does no communication
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size)
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)
@@ -283,12 +292,15 @@ def _worker(rank, world_size, store_path, fn, args, out_dir):
         dist.destroy_process_group()
 
 
-def launch(fn, world_size: int, *args):
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; returns rank 0's result."""
+def launch(fn, world_size: int, *args, backend: str = "gloo", start_method: str = "fork"):
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (forked gloo ranks by
+    default; ``"nccl"``: one GPU per rank, with ``start_method="spawn"``; ``"fake"``: a single process,
+    rank 0 of torch's fake process group of ``world_size``); returns rank 0's result."""
+    nprocs = 1 if backend == "fake" else world_size
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, tmp),
-                               nprocs=world_size, start_method="fork")
+            mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, tmp, backend),
+                               nprocs=nprocs, start_method=start_method)
         except Exception as e:  # a rank raised: report rank 0's traceback if it has one
             path = Path(tmp, "result.json")
             if path.exists():

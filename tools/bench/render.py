@@ -509,6 +509,87 @@ def plots(res: Path) -> None:
         plt.close(fig)
 
 
+# -- 8. GPU check ---------------------------------------------------------------------------------------------
+#: ``tools/gpu_check.py``'s methods (parts 2-4)
+GPU_CHECK_METHODS = {"full": "full logits", "released": "torchtitan 0.3.0 ChunkedLossWrapper (released)",
+                     "patched": "ChunkedLossWrapper + consumer series", "series": "this series' API loop"}
+
+
+def shape_text(shape: dict) -> str:
+    return (f"vocab {shape['vocab']}, dim {shape['dim']}, {shape['layers']} layers, batch {shape['batch']}, "
+            f"seq {shape['seq']}")
+
+
+def _error(part: dict) -> str:
+    return "error: " + part["error"].strip().splitlines()[-1][:200]
+
+
+def _reduction_counts(c: dict) -> str:
+    return f"{c['reductions']} / {c['reduce_scatter']} / {c['all_reduce']}"
+
+
+def gpu_check_tables(data: dict) -> str:
+    """The tables of ``tools/gpu_check.py``'s result file (it prints them; :func:`render` puts a committed
+    ``gpu-check.json`` into the document)."""
+    p, res = data["params"], data["results"]
+    parts = []
+    corr = res["correctness"]
+    if "error" in corr:
+        parts.append(f"Correctness: {_error(corr)}")
+    else:
+        rows = []
+        for r in corr["rows"]:
+            grads = f"{r['max_grad_diff']:.2e} ({r['max_grad']:.2e})"
+            if r["part"] == "pp":
+                per_rank = ", ".join(f"{c['reductions']} / {c['reduce_scatter']} / {c['all_reduce']} of {c['groups']}"
+                                     for c in r["ranks"])
+                rows.append([r["config"], r["head"], "per rank", per_rank, "", grads])
+            else:
+                rows.append([r["config"], r["head"], r["groups"], _reduction_counts(r["series"]),
+                             _reduction_counts(r["full"]), grads])
+        sanitizer = "on" if corr["sanitizer"] else "off"
+        parts.append(f"Correctness ({p['machine']['device']}, world {p['world_size']}, CUDA sanitizer {sanitizer}; "
+                     f"{shape_text(p['shapes']['check'])}, {p['microbatches']} microbatches, "
+                     f"{p['num_chunks']} chunks):\n\n"
+                     + table(["config", "head", "FSDP groups (minimum)", "series: reductions / RS / AR",
+                              "full logits: reductions / RS / AR", "max abs grad diff (largest entry)"], rows))
+    mem = res["memory"]
+    if isinstance(mem, dict):
+        parts.append(f"Memory: {_error(mem)}")
+    else:
+        full = next((r["peak_bytes"] for r in mem if r["method"] == "full"), None)
+        rows = [[GPU_CHECK_METHODS[r["method"]], f"{r['peak_bytes'] / MiB:.1f}",
+                 f"{r['peak_bytes'] / full:.2f}" if full else "",
+                 f"{r['head_weight_bytes'] / MiB:.1f} ({r['blocks_with_head_weight']} of {r['blocks']})",
+                 f"{r['head_grad_bytes'] / MiB:.1f}"] for r in mem]
+        parts.append(f"Memory (fake process group, world {p['scale_world_size']}, {shape_text(p['shapes']['scale'])}, "
+                     "bf16 parameters, fp32 reduction):\n\n"
+                     + table(["method", "peak MiB above the step's start", "/ full logits",
+                              "head weight MiB held at block bwd starts (blocks)", "head grads MiB held"], rows))
+    perf = res["perf"]
+    if "error" in perf:
+        parts.append(f"Overlap and step time: {_error(perf)}")
+    else:
+        med = {m: statistics.median(perf["times"][m]) for m in GPU_CHECK_METHODS if m in perf["times"]}
+        rows = []
+        for m, t in med.items():
+            o = perf["overlap"].get(m, {})
+            share = o.get("overlap_share")
+            rows.append([GPU_CHECK_METHODS[m], f"{t * 1e3:.1f}", f"{t / med['full']:.2f}" if "full" in med else "",
+                         f"{o['head_reduce_calls']} ({o.get('head_reduce_before_decoder_bwd', '-')})" if o else "",
+                         f"{o['head_reduce_us']:.0f}" if "head_reduce_us" in o else "-",
+                         f"{o['overlap_us']:.0f} ({share:.0%})" if share is not None else "-"])
+        parts.append(f"Overlap and step time ({p['machine']['device']}, world {p['perf_world_size']}, "
+                     f"{shape_text(p['shapes']['perf'])}, median of {p['steps']} steps):\n\n"
+                     + table(["method", "median ms/step", "/ full logits",
+                              "head reductions (before the reducing decoder bwd)", "head reduce device us",
+                              "overlapped with decoder bwd kernels, us (share)"], rows))
+    failed = [c for c in res["checks"] if not c["ok"]]
+    parts.append(f"Checks: {len(res['checks']) - len(failed)} of {len(res['checks'])} passed"
+                 + "".join(f"; FAILED {c['check']}: {c['detail']}" for c in failed) + ".")
+    return "\n\n".join(parts)
+
+
 # -- the document's block -----------------------------------------------------------------------------------------------
 def _read(res: Path, name: str) -> Optional[dict]:
     path = res / name
@@ -670,6 +751,18 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
                       lambda p: f"Command: `{p['command']}`.",
                       # the meta line is the section's; PR.md, which has no other, repeats it in its note
                       lambda d: [collective_table({k: v for k, v in d.items() if k != "meta"}).strip()])
+    gpu = _read(res, "gpu-check.json")
+    parts.append("**8. GPU check** (`tools/gpu_check.py`: correctness under the CUDA sanitizer, memory at "
+                 "scale on the fake process group, reduce-scatter overlap, step time; see "
+                 "[GPU check](#gpu-check-toolsgpu_checkpy) below)")
+    if gpu:
+        m = gpu["params"]["machine"]
+        parts.append(f"Command: `{gpu['params']['command']}` on {m.get('gpus')} x {m.get('gpu')} (CUDA "
+                     f"{m.get('cuda')}, NCCL {m.get('nccl')}). {meta_line(gpu)}")
+        parts.append(gpu_check_tables(gpu))
+    else:
+        parts.append("Not measured yet: no `gpu-check.json` (`python tools/gpu_check.py` has not run on a "
+                     "CUDA machine).")
     return "\n\n".join(parts) + "\n"
 
 
