@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .distinfo import metadata_headers
 from .errors import PatchApplyError, TorchPatchesError
-from .fsutil import write_files
+from .fsutil import resolve_python, write_files
 from .patching import apply_patches
 from .record import Record
 from .series import Patch, read_patches
@@ -147,7 +147,7 @@ class InstalledConsumer:
 
     def __init__(self, series: ConsumerSeries, python: Optional[str] = None):
         import sys
-        python = python or sys.executable
+        python = resolve_python(python or sys.executable)
         try:
             proc = subprocess.run([python, "-c", _LOCATE, series.package], capture_output=True, text=True,
                                   cwd=tempfile.gettempdir(), timeout=120)
@@ -410,11 +410,12 @@ def export(target: InstalledConsumer, output: Path, results: Optional[dict] = No
 
 # -- command line (``torch-patches torchtitan ACTION``) ------------------------------------
 def add_cli_arguments(p) -> None:
-    p.add_argument("action", choices=("status", "apply", "revert", "export"))
+    p.add_argument("action", choices=("status", "apply", "revert", "export"), help="what to do (described above)")
     p.add_argument("--series", metavar="DIR", default=None,
                    help="consumer series directory (default: the newest under consumers/torchtitan/ "
                         "of this checkout)")
-    p.add_argument("--python", metavar="PY", help="interpreter whose torchtitan to use (default: this one)")
+    p.add_argument("--python", metavar="PY", help="interpreter whose torchtitan to use, or a virtual "
+                   "environment's directory (default: this one)")
     p.add_argument("-o", "--output", metavar="DIR", default="upstream-torchtitan",
                    help="export: output directory (default: upstream-torchtitan)")
     p.add_argument("--results", metavar="FILE", help="export: collective counts (JSON) for PR.md's table")
