@@ -236,8 +236,7 @@ def _carried() -> List[str]:
             continue
         base = series.base
         lines.append(f"series: revision {series.revision}, {len(series.patches)} patches, for torch {base.short}; "
-                     f"wheel version {base.patched_version(series.revision, '<base label>')} "
-                     f"(PyPI's base: {base.patched_version(series.revision, 'cu132')})")
+                     f"wheel version {base.patched_version(series.revision, '<base label>')}")
     from .consumers import load_consumer_series
     try:
         consumer = load_consumer_series()
@@ -351,17 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "environment's directory (its torch must have the "
                    "series applied) and record them in --results (default: DIR/test-results.json)")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser(
-        "torchtitan", help="apply/revert/status/export the torchtitan consumer series",
-        description="The torchtitan consumer series (its ChunkedLossWrapper on the FSDP lifecycle APIs)\n"
-                    "for the torchtitan installed for --python, with the same all-or-nothing replacement\n"
-                    "and marker as the torch series. The action is one of:\n"
-                    "  status  the installed torchtitan and whether the series is applied; changes nothing\n"
-                    "  apply   apply the series in place (all or nothing)\n"
-                    "  revert  restore the files and RECORD that apply replaced, byte for byte\n"
-                    "  export  write the series as torchtitan PR files (git am patches + PR.md) into -o DIR",
-        epilog=_epilog(c3="refused: the installed torchtitan is not the release the series is pinned to"),
-        formatter_class=_Formatter)
+    p = verb(
+        "torchtitan", "apply/revert/status/export the torchtitan consumer series",
+        "The torchtitan consumer series (its ChunkedLossWrapper on the FSDP lifecycle APIs)\n"
+        "for the torchtitan installed for --python, with the same all-or-nothing replacement\n"
+        "and marker as the torch series. The action is one of:\n"
+        "  status  the installed torchtitan and whether the series is applied; changes nothing\n"
+        "  apply   apply the series in place (all or nothing)\n"
+        "  revert  restore the files and RECORD that apply replaced, byte for byte\n"
+        "  export  write the series as torchtitan PR files (git am patches + PR.md) into -o DIR",
+        _epilog(c3="refused: the installed torchtitan is not the release the series is pinned to"), ())
     from .consumers import add_cli_arguments
     add_cli_arguments(p)
     p.set_defaults(func=cmd_torchtitan)
