@@ -76,7 +76,7 @@ def _pip_options(args):
 
 def _base_wheel(args, series, progress=_progress):
     """``--base``, else the cached or downloaded base wheel for ``--python`` / the target."""
-    from .targets.installed import resolve_python
+    from .fsutil import resolve_python
     from .wheel.fetch import obtain_base_wheel
     python = resolve_python(args.python) if args.python else None
     command = getattr(args, "as_command", None) or "python -m torch_patches " + " ".join(sys.argv[1:])
@@ -166,16 +166,89 @@ def _pinned() -> str:
     return f"torch {manifest.base.short}"
 
 
-def _epilog() -> str:
-    from .wheel.fetch import cache_dir
-    return ("exit status:\n"
-            "  0  success\n"
-            "  1  error: nothing was changed; the message says why and what to do\n"
-            "  2  bad usage\n"
-            "  3  refused: the target is not the pinned base torch (or comes from a patched wheel)\n"
-            "base wheel cache (wheel, fetch, tools/run_tests.sh):\n"
-            f"  {cache_dir()}\n"
-            "  ($TORCH_PATCHES_CACHE, default ~/.cache/torch_patches); downloads use your pip configuration\n")
+#: What each exit status means; a verb's help lists the ones it can return.
+_EXIT = {
+    0: "success",
+    1: "error: nothing was changed; the message says why and what to do",
+    2: "bad usage",
+    3: "refused: the target is not the pinned base torch (or comes from a patched wheel)",
+}
+
+
+def _epilog(codes=(0, 1, 2, 3), cache: bool = False, **meaning: str) -> str:
+    """The ``exit status`` section (``meaning`` rewords a code: ``c0="..."``), and for the
+    verbs that use it, where the base wheel cache is."""
+    text = "exit status:\n" + "".join(f"  {c}  {meaning.get(f'c{c}', _EXIT[c])}\n" for c in codes)
+    if cache:
+        from .wheel.fetch import cache_dir
+        text += ("base wheel cache (wheel, fetch, tools/run_tests.sh):\n"
+                 f"  {cache_dir()}\n"
+                 "  ($TORCH_PATCHES_CACHE, default ~/.cache/torch_patches); downloads use your pip configuration\n")
+    return text
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps descriptions to the terminal; lines that start with a space (tables such as the
+    exit status) are kept as they are."""
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+        out: List[str] = []
+        paragraph: List[str] = []
+
+        def flush():
+            if paragraph:
+                out.extend(textwrap.wrap(" ".join(paragraph), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+                paragraph.clear()
+
+        for line in text.splitlines():
+            if line.startswith(" ") or not line.strip():
+                flush()
+                out.append(indent + line if line.strip() else "")
+            else:
+                paragraph.append(line.strip())
+        flush()
+        return "\n".join(out)
+
+
+class _Version(argparse.Action):
+    """``--version``: the tool's version and the series it carries (read when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {__version__}")
+        print("\n".join(_carried()))
+        parser.exit()
+
+
+def _carried() -> List[str]:
+    """One line per shipped series: revision, patch count, base and wheel version."""
+    from .series import load_series, shipped_series_dirs
+    lines = []
+    for directory in shipped_series_dirs():
+        try:
+            series = load_series(directory)
+        except TorchPatchesError as exc:
+            lines.append(f"series: {directory}: {exc}")
+            continue
+        base = series.base
+        lines.append(f"series: revision {series.revision}, {len(series.patches)} patches, for torch {base.short}; "
+                     f"wheel version {base.patched_version(series.revision, '<base label>')}")
+    from .consumers import load_consumer_series
+    try:
+        consumer = load_consumer_series()
+    except TorchPatchesError:  # consumers/ ships with a checkout, not with an installed package
+        return lines
+    lines.append(f"{consumer.distribution} series: revision {consumer.revision}, {len(consumer.patches)} "
+                 f"patches, for {consumer.distribution} {consumer.version}")
+    return lines
+
+
+_PYTHON_HELP = ("interpreter whose torch to use, or a virtual environment's directory (VENV: its bin/python); "
+                "default: this one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,41 +256,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torch-patches",
         description=f"Apply the FSDP lifecycle patch series to {pinned}, revert it,\n"
-                    "or build a patched wheel.", epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+                    "or build a patched wheel. `torch-patches COMMAND --help` describes each command.",
+        epilog=_epilog(cache=True), formatter_class=_Formatter)
+    parser.add_argument("--version", action=_Version, help="print the version and the series it carries")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--series", metavar="DIR", default=None,
                         help="use the series in DIR instead of the one shipped with the package")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    def verb(name, summary, description, epilog, parents=(common,)):
+        return sub.add_parser(name, parents=list(parents), help=summary, description=description, epilog=epilog,
+                              formatter_class=_Formatter)
+
     def target_args(p, source_required=False):
         if source_required:
             p.add_argument("--source", metavar="DIR", required=True, help="PyTorch source tree")
             return
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--python", metavar="PY", help="interpreter whose torch to use (default: this one)")
+        group.add_argument("--python", metavar="PY", help=_PYTHON_HELP)
         group.add_argument("--source", metavar="DIR", help="PyTorch source tree instead of an installed torch")
 
-    p = sub.add_parser("status", parents=[common], help="show the torch and the state of each patch")
+    p = verb("status", "show the torch and the state of each patch",
+             f"Show the interpreter's torch (version, commit, and whether it is the pinned base, {pinned})\n"
+             "and each patch's state (applied, not applied, retired, changed since apply).\nChanges nothing.",
+             _epilog((0, 1, 2), c0="the status was printed (a torch that is not the pinned base: `pinned base: NO`)"))
     target_args(p)
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("apply", parents=[common], help="apply the series in place (all or nothing)")
+    p = verb("apply", "apply the series in place (all or nothing)",
+             f"Apply the series in place to an installed {pinned} (or a source tree), all or nothing:\n"
+             "every file is computed in memory and swapped in only when all are staged. A marker in\n"
+             "the dist-info records the series and the pristine bytes (for revert). Applied twice, it\n"
+             "says so; over an older series revision it upgrades in one step.", _epilog())
     target_args(p)
     p.set_defaults(func=cmd_apply)
-    p = sub.add_parser("revert", parents=[common], help="restore the pristine files and RECORD")
+    p = verb("revert", "restore the pristine files and RECORD",
+             "Restore the files and RECORD that apply replaced, byte for byte, from the marker apply\n"
+             "wrote. Without the series applied it says there is nothing to revert.", _epilog())
     target_args(p)
     p.set_defaults(func=cmd_revert)
-    p = sub.add_parser("check", parents=[common], help="dry run of apply against a source tree")
+    p = verb("check", "dry run of apply against a source tree",
+             "Dry run of apply against a PyTorch source tree: each patch's state and whether apply\n"
+             "would succeed. Changes nothing.", _epilog(c0="apply would succeed (or the series is already applied)"))
     target_args(p, source_required=True)
     p.set_defaults(func=cmd_check)
     pip = argparse.ArgumentParser(add_help=False)
     group = pip.add_argument_group(
         "base download", "passed to `pip download --no-deps torch==<base>`, which otherwise uses your pip "
         "configuration (pip.conf, PIP_* variables); a target option adds --only-binary=:all:")
-    group.add_argument("--python", metavar="PY", help="interpreter (or venv directory) whose wheel tags "
-                       "select the base wheel (default: this one)")
+    group.add_argument("--python", metavar="PY", help="interpreter, or a virtual environment's directory, whose "
+                       "wheel tags select the base wheel (default: this one)")
     group.add_argument("--index-url", metavar="URL")
     group.add_argument("--extra-index-url", metavar="URL", action="append", default=[])
     group.add_argument("--find-links", metavar="DIR_OR_URL", action="append", default=[])
@@ -226,39 +314,63 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--python-version", metavar="X.Y")
     group.add_argument("--abi", metavar="ABI", action="append", default=[])
     group.add_argument("--implementation", metavar="IMPL", help="cp, pp, ...")
-    p = sub.add_parser("wheel", parents=[common, pip], epilog=_epilog(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       help="write the patched wheel <base>+<base label>.fsdp.N")
+    p = verb("wheel", "write the patched wheel <base>+<base label>.fsdp.N",
+             f"Write the patched wheel of {pinned}: the base wheel's members copied as they are, the\n"
+             "series' files patched, and the version <base>+<base label>.fsdp.N in the file name,\n"
+             "METADATA, the dist-info directory and torch.__version__. The base is --base, else the\n"
+             "cached one, else downloaded into the cache with pip.", _epilog(cache=True), (common, pip))
     p.add_argument("--base", metavar="WHEEL", help=f"base wheel of {pinned} (default: the cached one, else "
                    "download it with pip); e.g. a CPU or another CUDA build")
     p.add_argument("-o", "--output", metavar="DIR", default="dist", help="output directory (default: dist)")
     p.add_argument("--verify", action="store_true", help="re-read the written wheel and check every hash")
     p.set_defaults(func=cmd_wheel)
-    p = sub.add_parser("fetch", parents=[common, pip], epilog=_epilog(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       help="print the path of the base wheel, from the cache or downloaded into it")
+    p = verb("fetch", "print the path of the base wheel, from the cache or downloaded into it",
+             f"Print the path of the {pinned} base wheel for --python (or the target options): from\n"
+             "the cache, else downloaded into it with pip. Progress goes to stderr, the path to stdout.",
+             _epilog((0, 1, 2), cache=True), (common, pip))
     p.add_argument("--as-command", help=argparse.SUPPRESS)  # how messages name the caller (run_tests.sh)
     p.set_defaults(func=cmd_fetch)
-    p = sub.add_parser("export", parents=[common],
-                       help="write the series as pytorch/pytorch PRs (git format-patch + PR.md per tracker)")
+    p = verb("export", "write the series as pytorch/pytorch PRs (git format-patch + PR.md per tracker)",
+             "Write the series as a pytorch/pytorch PR stack: one directory per tracker issue with its\n"
+             "git format-patch files and PR.md, and a `series` file with the order to apply them.\n"
+             f"The pristine base files come from --python's {pinned} (and --source for docs/).",
+             _epilog((0, 1, 2), c1="error, or --onto: the export does not apply to TREE (the output names the patch)"))
     p.add_argument("-o", "--output", metavar="DIR", default="upstream",
                    help="output directory (default: upstream)")
     p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
-    p.add_argument("--python", metavar="PY", help=f"interpreter whose {pinned} gives the pristine base files")
+    p.add_argument("--python", metavar="PY", help=f"interpreter, or a virtual environment's directory, whose "
+                   f"{pinned} gives the pristine base files (default: this one)")
     p.add_argument("--source", metavar="DIR", help="source checkout of the base, for the files an installed "
                    "torch does not hold (docs/) that the series changes; with it, each PR with docs entries "
                    "gets a docs commit (without it, they go to the PR directory's DOCS.md)")
     p.add_argument("--repo", metavar="DIR", default=".",
                    help="torch-fsdp-lifecycle checkout holding test/ (default: the current directory)")
     p.add_argument("--results", metavar="FILE", help="recorded test results (JSON) for the Test Plan")
-    p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY (its torch must have the "
+    p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY, an interpreter or a virtual "
+                   "environment's directory (its torch must have the "
                    "series applied) and record them in --results (default: DIR/test-results.json)")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("torchtitan", help="apply/revert/status/export the torchtitan consumer series")
+    p = verb(
+        "torchtitan", "apply/revert/status/export the torchtitan consumer series",
+        "The torchtitan consumer series (its ChunkedLossWrapper on the FSDP lifecycle APIs)\n"
+        "for the torchtitan installed for --python, with the same all-or-nothing replacement\n"
+        "and marker as the torch series. The action is one of:\n"
+        "  status  the installed torchtitan and whether the series is applied; changes nothing\n"
+        "  apply   apply the series in place (all or nothing)\n"
+        "  revert  restore the files and RECORD that apply replaced, byte for byte\n"
+        "  export  write the series as torchtitan PR files (git am patches + PR.md) into -o DIR\n"
+        "--target main-<commit> selects the series against torchtitan main (status and export\n"
+        "with --source DIR or $TORCHTITAN_SOURCE: torchtitan's sources).",
+        _epilog(c1=_EXIT[1] + "; status of a main-<commit> series: it conflicts with --onto",
+                c3="refused: the installed torchtitan is not the release the series is pinned to, "
+                   "or a main-<commit> series given to apply/revert"), ())
     from .consumers import add_cli_arguments
     add_cli_arguments(p)
     p.set_defaults(func=cmd_torchtitan)
-    p = sub.add_parser("manifest", parents=[common], help="print the series' base, revision and wheel version")
+    p = verb("manifest", "print the series' base, revision and wheel version",
+             "Print the series' base (version, commit), revision and patched wheel version from its\n"
+             "manifest.ini, as key=value lines (or one value with --get); CMake and\n"
+             "tools/run_tests.sh read it.", _epilog((0, 1, 2)))
     p.add_argument("--get", choices=("directory", "base_version", "base_git_version", "revision", "version",
                                      "local_label"),
                    help="print only this value")

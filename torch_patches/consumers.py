@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .distinfo import metadata_headers
 from .errors import PatchApplyError, TorchPatchesError
-from .fsutil import write_files
+from .fsutil import resolve_python, write_files
 from .patching import FilePatch, apply_patches
 from .record import Record
 from .series import Patch, read_patches
@@ -215,7 +215,7 @@ class InstalledConsumer:
                 f"release; an installed {series.distribution} is a release, so apply, revert and status of "
                 f"an install take a release series (--target {default_consumer_dir().name}, the default). "
                 f"This one's PR: `torchtitan export --target {series.name} --source DIR`", exit_code=3)
-        python = python or sys.executable
+        python = resolve_python(python or sys.executable)
         try:
             proc = subprocess.run([python, "-c", _LOCATE, series.package], capture_output=True, text=True,
                                   cwd=tempfile.gettempdir(), timeout=120)
@@ -602,13 +602,14 @@ def check_source(s: ConsumerSeries, source: SourceTree, onto: Optional[str] = No
 
 # -- command line (``torch-patches torchtitan ACTION``) ------------------------------------
 def add_cli_arguments(p) -> None:
-    p.add_argument("action", choices=("status", "apply", "revert", "export"))
+    p.add_argument("action", choices=("status", "apply", "revert", "export"), help="what to do (described above)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--target", metavar="NAME",
                        help="series under consumers/torchtitan/ of this checkout: a release (0.3.0, the default "
                             "for an installed torchtitan) or main-<commit> (export/status with --source)")
     which.add_argument("--series", metavar="DIR", default=None, help="consumer series directory")
-    p.add_argument("--python", metavar="PY", help="interpreter whose torchtitan to use (default: this one)")
+    p.add_argument("--python", metavar="PY", help="interpreter whose torchtitan to use, or a virtual "
+                   "environment's directory (default: this one)")
     p.add_argument("-o", "--output", metavar="DIR", default="upstream-torchtitan",
                    help="export: output directory (default: upstream-torchtitan)")
     p.add_argument("--results", metavar="FILE", help="export: collective counts (JSON) for PR.md's table")

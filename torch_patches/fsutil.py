@@ -1,4 +1,4 @@
-"""All-or-nothing replacement of a handful of files.
+"""All-or-nothing replacement of a handful of files, and the user's interpreter path.
 
 :func:`write_files` stages every new file next to its destination first; only
 when all of them are staged does it swap them in (keeping backups until the
@@ -19,23 +19,36 @@ _TMP = ".torch_patches.tmp"
 _BAK = ".torch_patches.bak"
 
 
+_READ_ONLY_FS = "on a read-only file system"
+
+
 def _read_only_reason(path: Path) -> Optional[str]:
     """Why ``path`` (an existing file or directory) must not be written, if so.
 
-    Besides ``os.access`` this honours missing write bits even for root, which
+    A read-only mount is named as such (no user can write there). Besides
+    ``os.access`` this honours missing write bits even for root, which
     ``os.access`` ignores: a tree someone made read-only is left alone.
     """
     try:
         mode = path.stat().st_mode
     except OSError as exc:
         return exc.strerror
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return _READ_ONLY_FS
+    except (OSError, AttributeError):  # no statvfs (Windows): the checks below still apply
+        pass
     if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(path, os.W_OK):
-        return "read-only"
+        return "read-only for this user"
     return None
 
 
 def check_writable(root: Path, rels) -> None:
-    """Raise :class:`TorchPatchesError` if any of ``rels`` under ``root`` cannot be written."""
+    """Raise :class:`TorchPatchesError` if any of ``rels`` under ``root`` cannot be written.
+
+    The advice fits the cause: a read-only file system cannot be fixed by
+    running as another user, missing permissions can.
+    """
     problems = []
     for rel in rels:
         target = root / rel
@@ -46,10 +59,41 @@ def check_writable(root: Path, rels) -> None:
             why = _read_only_reason(p)
             if why:
                 problems.append(f"{p}: {why}")
-    if problems:
-        raise TorchPatchesError(
-            "the target is not writable, nothing was changed:\n  " + "\n  ".join(sorted(set(problems)))
-            + "\nRun as a user who owns it, or use a virtual environment / `torch-patches wheel`.")
+    if not problems:
+        return
+    elsewhere = ("patch a copy in a virtual environment you can write (`python -m venv VENV`, install the "
+                 "package there, then `--python VENV`), or build the patched wheel (`torch-patches wheel -o DIR`, "
+                 "DIR anywhere writable) and install it where the environment is built")
+    if any(p.endswith(_READ_ONLY_FS) for p in problems):
+        advice = f"The file system is mounted read-only, so no user can change it in place: {elsewhere}."
+    else:
+        advice = f"Run as a user who may write there (its owner), or {elsewhere}."
+    raise TorchPatchesError(
+        "the target is not writable, nothing was changed:\n  " + "\n  ".join(sorted(set(problems))) + "\n" + advice)
+
+
+def resolve_python(python: str) -> str:
+    """The interpreter ``python`` names, as a path that works from any directory.
+
+    A path (``.venv/bin/python``, ``../venv``) names a file from the directory
+    the user ran the command in, but the interpreter is run from another one
+    (:func:`.targets.installed.run_locate` runs it in the temp directory so that nothing in the
+    user's directory shadows its imports), so it is made absolute here, once,
+    for every caller. A virtual environment's directory stands for its
+    ``bin/python`` (``Scripts/python.exe`` on Windows). A bare name
+    (``python3``) is left to the ``PATH`` lookup, as a shell does. Symlinks
+    are kept: a venv's ``bin/python`` must not become the base interpreter.
+    """
+    path = Path(python)
+    if path.is_dir():
+        for candidate in (path / "bin" / "python", path / "Scripts" / "python.exe"):
+            if candidate.is_file():
+                return os.path.abspath(candidate)
+        raise TorchPatchesError(f"{python} is a directory without bin/python; pass the interpreter, "
+                                f"e.g. --python {path / 'bin' / 'python'}")
+    if os.sep in python or (os.altsep and os.altsep in python):
+        return os.path.abspath(python)
+    return python
 
 
 def write_files(root: Path, changes: Dict[str, Optional[bytes]],

@@ -91,7 +91,7 @@ def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
             f"torch {getattr(target, 'dist_version', '?')} was installed from a patched wheel "
             f"({old.describe() if old is not None else 'no marker'}); {action} does not change it in place. "
             f"{how} {NOTHING_CHANGED}", REFUSED)
-    problem = target.base_problem(series.base)
+    problem = target.base_problem(series.base, action)
     if problem:
         raise TorchPatchesError(f"refusing to {action}: {problem}. {NOTHING_CHANGED}", REFUSED)
 

@@ -1,12 +1,16 @@
 """apply / revert / status on an installed torch (a fake site-packages copy)."""
 
 import json
+import os
 import re
 import stat
 
+import pytest
 
 from tooling import (API, BASE, DI, FSDP_INIT, NEW_FILE, REVISION, STATE, edit, empty_series_dir, run_cli,
                      tree_digest, unified, write_manifest, write_patch, write_series)
+from torch_patches import fsutil
+from torch_patches.errors import TorchPatchesError
 from torch_patches.record import Record, record_hash
 from torch_patches.series import default_series_dir, shipped_series_dirs
 
@@ -96,6 +100,9 @@ def test_other_release_refused(site, fake_python, one_patch):
     before = tree_digest(site)
     out = run_cli("apply", "--python", fake_python, "--series", one_patch)
     assert out.returncode == 3 and f"install it with `pip install torch=={BASE.version}`" in out.stderr
+    out = run_cli("revert", "--python", fake_python, "--series", one_patch)
+    assert out.returncode == 3 and "dist 2.14.1" in out.stderr and "nothing of this series to revert" in out.stderr
+    assert "pip install" not in out.stderr and "try again" not in out.stderr, out.stderr  # apply's advice
     assert tree_digest(site) == before
 
 
@@ -168,11 +175,29 @@ def test_read_only_target(site, fake_python, one_patch):
         before = tree_digest(site)
         out = run_cli("apply", "--python", fake_python, "--series", one_patch)
         assert out.returncode == 1 and "not writable" in out.stderr and "Traceback" not in out.stderr
+        assert "read-only for this user" in out.stderr and "Run as a user who may write there" in out.stderr
         assert tree_digest(site) == before
         assert not list(site.rglob("*.torch_patches.*"))
     finally:
         for p in paths:
             p.chmod(stat.S_IMODE(p.stat().st_mode) | 0o200)
+
+
+def test_read_only_file_system(site, one_patch, monkeypatch):
+    """On a read-only mount no user can write: the advice is a writable venv or the wheel."""
+    real = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, path):
+            self.f_flag = real(path).f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(fsutil.os, "statvfs", ReadOnly)
+    with pytest.raises(TorchPatchesError) as info:
+        fsutil.check_writable(site, [API])
+    message = str(info.value)
+    assert f"{site / API}: on a read-only file system" in message and "mounted read-only" in message
+    assert "Run as a user" not in message and "`python -m venv VENV`" in message
+    assert "`torch-patches wheel -o DIR`" in message
 
 
 def test_no_torch(tmp_path, one_patch):

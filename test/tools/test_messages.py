@@ -47,15 +47,26 @@ def test_wheel_install_revert_hint(base_wheel, one_patch, tmp_path):  # noqa: F8
 
 
 def test_bad_base_names_the_file(one_patch, tmp_path, base_wheel):  # noqa: F811
+    """A user's own file given as --base is kept, and the message says what it is and what
+    --base expects; only a file the tool downloaded into its cache gets the advice to delete it."""
     truncated = tmp_path / base_wheel.name
     truncated.write_bytes(base_wheel.read_bytes()[:4096])
-    out = run_cli("wheel", "--base", truncated, "-o", tmp_path / "dist", "--series", one_patch)
-    assert out.returncode == 1 and str(truncated) in out.stderr
-    assert "truncated or not a wheel" in out.stderr and "Download it again" in out.stderr
-    text = tmp_path / "notes.whl"
-    text.write_text("not a zip\n")
-    out = run_cli("wheel", "--base", text, "-o", tmp_path / "dist", "--series", one_patch)
-    assert out.returncode == 1 and str(text) in out.stderr and "Download it again" in out.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text("# my notes\n")
+    for path, what in ((truncated, "a zip archive that is truncated or damaged"), (readme, "a text file")):
+        data = path.read_bytes()
+        out = run_cli("wheel", "--base", path, "-o", tmp_path / "dist", "--series", one_patch)
+        assert out.returncode == 1 and f"{path} is {what}, not a readable wheel" in out.stderr, out.stderr
+        assert f"--base expects the torch {BASE.version} wheel file" in out.stderr
+        assert "delete" not in out.stderr.lower() and f"{path} was left as it is" in out.stderr
+        assert path.read_bytes() == data
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / base_wheel.name).write_bytes(base_wheel.read_bytes()[:4096])  # an interrupted download
+    out = run_cli("wheel", "-o", tmp_path / "dist", "--series", one_patch, env={"TORCH_PATCHES_CACHE": str(cache)})
+    assert out.returncode == 1 and str(cache / base_wheel.name) in out.stderr
+    assert "Delete that file (the tool downloaded it" in out.stderr, out.stderr
+    assert not (tmp_path / "dist").exists()
 
 
 def test_python_dir_uses_its_bin_python(fake_python, one_patch, tmp_path):

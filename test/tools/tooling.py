@@ -217,14 +217,15 @@ def tree_digest(root: Path) -> dict:
     return out
 
 
-def run_cli(*args, check=None, env=None, replace_env=False):
-    """Run ``python -m torch_patches ARGS`` in a subprocess; return the CompletedProcess.
+def run_cli(*args, check=None, env=None, replace_env=False, cwd=None):
+    """Run ``python -m torch_patches ARGS`` in a subprocess (in directory ``cwd``); return the
+    CompletedProcess.
 
     ``env`` adds to this process's environment, or with ``replace_env`` is the whole of it."""
     import subprocess
     env = dict({} if replace_env else os.environ, **(env or {}), PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "torch_patches", *map(str, args)],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=cwd)
     if check is not None:
         assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
     return proc

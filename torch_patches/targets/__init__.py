@@ -57,8 +57,9 @@ class Target:
         """The public torch version this target holds (picks the shipped series)."""
         raise NotImplementedError
 
-    def base_problem(self, base: Base) -> Optional[str]:
-        """Why this is not the pinned ``base`` torch (``None``: it is)."""
+    def base_problem(self, base: Base, action: str = "apply") -> Optional[str]:
+        """Why this is not the pinned ``base`` torch (``None``: it is), with the advice
+        that fits ``action`` (``apply``, ``revert``; status and the rest: as for apply)."""
         raise NotImplementedError
 
     def verify_pristine(self, pristine: Files) -> List[str]:

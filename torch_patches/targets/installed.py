@@ -18,6 +18,7 @@ from ..base import Base, public_version
 from ..distinfo import metadata_headers, read_version_py
 from ..errors import TorchPatchesError
 from ..files import Files
+from ..fsutil import resolve_python
 from ..marker import MARKER_NAME, Marker
 from ..record import Record
 from . import Target
@@ -32,19 +33,6 @@ if origin is None and spec and spec.submodule_search_locations:
 print(json.dumps({"executable": sys.executable, "python": sys.version.split()[0],
                   "torch_init": origin}))
 """
-
-
-def resolve_python(python: str) -> str:
-    """``python``, or for a virtual environment's directory its ``bin/python``
-    (``Scripts/python.exe`` on Windows)."""
-    path = Path(python)
-    if not path.is_dir():
-        return python
-    for candidate in (path / "bin" / "python", path / "Scripts" / "python.exe"):
-        if candidate.is_file():
-            return str(candidate)
-    raise TorchPatchesError(f"{python} is a directory without bin/python; pass the interpreter, "
-                            f"e.g. --python {path / 'bin' / 'python'}")
 
 
 def run_locate(python: str) -> dict:
@@ -119,15 +107,19 @@ class InstalledTorch(Target):
     def base_version(self) -> str:
         return public_version(self.dist_version)
 
-    def base_problem(self, base: Base) -> Optional[str]:
+    def base_problem(self, base: Base, action: str = "apply") -> Optional[str]:
         if self.dist_info is None:
             return (f"torch at {self.torch_dir} has no torch-*.dist-info next to it "
-                    "(a source/develop install?); use `apply --source DIR` for source trees")
+                    f"(a source/develop install?); use `{action} --source DIR` for source trees")
         if self.git_version != base.git_version or public_version(self.dist_version) != base.version \
                 or public_version(self.torch_version) != base.version:
-            return (f"torch {self.torch_version} (dist {self.dist_version}, commit {self.git_version[:12]}) "
-                    f"is not the pinned base torch {base.short}; install it with "
-                    f"`pip install torch=={base.version}` and try again")
+            found = (f"torch {self.torch_version} (dist {self.dist_version}, commit {self.git_version[:12]}) "
+                     f"is not the pinned base torch {base.short}")
+            if action == "revert":
+                # apply refuses any other torch, and installing one replaced the patched files
+                return (f"{found}, so it holds nothing of this series to revert (pip replaced the "
+                        f"patched files when it installed this torch)")
+            return f"{found}; install it with `pip install torch=={base.version}` and try again"
         return None
 
     # -- marker / RECORD ---------------------------------------------------------

@@ -51,7 +51,7 @@ class SourceTree(Target):
     def base_version(self) -> str:
         return self.version
 
-    def base_problem(self, base: Base) -> Optional[str]:
+    def base_problem(self, base: Base, action: str = "apply") -> Optional[str]:
         if not self.version:
             return f"{self.root} has no version.txt (is it a PyTorch source tree?)"
         if self.version != base.version:

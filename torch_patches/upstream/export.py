@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import TorchPatchesError
 from ..files import Files
+from ..fsutil import resolve_python
 from ..series import NESTED_PATCH_NAME, DocsEntry, Patch, Series, Tracker, read_docs_entries, read_series_file
 from . import docs as docs_mod
 from . import gitstack
@@ -544,7 +545,7 @@ def run_tests(groups: List[Group], repo: Path, python: str, results_file: Path, 
             if not (repo / rel).is_file():
                 continue
             progress(f"running {python} {rel} ...")
-            proc = subprocess.run([python, rel], cwd=repo, capture_output=True, text=True)
+            proc = subprocess.run([resolve_python(python), rel], cwd=repo, capture_output=True, text=True)
             tail = "\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-15:])
             results[rel] = {"command": f"{python} {rel}", "returncode": proc.returncode, "output": tail,
                             "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

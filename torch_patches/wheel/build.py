@@ -30,6 +30,7 @@ from ..marker import MARKER_NAME, Marker
 from ..record import Record
 from ..series import Series
 from ..state import apply_series, base_blob_mismatches
+from .fetch import cache_dir
 from .zipraw import Entry, RawZipWriter, read_entries, read_member
 
 _WHEEL_RE = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(?P<rest>(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl)$")
@@ -155,6 +156,35 @@ def _write(wheel: _BaseWheel, out_path: Path, new_di: str, content: Dict[str, Op
         raise
 
 
+def _what_file(path: Path) -> str:
+    """A few words on what ``path`` holds, judged from its first bytes."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return "a file that cannot be read"
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PK"):
+        return "a zip archive that is truncated or damaged"
+    return "a text file" if b"\0" not in head else "a binary file that is not a zip archive"
+
+
+def _unreadable_base(path: Path, why: str, series: Series) -> str:
+    """What to do about a base wheel that is not a readable zip: only a file this tool
+    downloaded into its cache may be deleted; a user's own file is kept, and the message
+    says what ``--base`` expects instead."""
+    version = series.base.version
+    if cache_dir().resolve() in path.resolve().parents:
+        return (f"{path} is not a readable wheel ({why}): the base wheel downloaded into the cache is "
+                f"truncated or damaged. Delete that file (the tool downloaded it; `wheel` without --base "
+                f"downloads it again), or pass another file with --base WHEEL")
+    return (f"{path} is {_what_file(path)}, not a readable wheel ({why}). --base expects the torch {version} wheel file "
+            f"(a .whl zip archive, such as the one `pip download --no-deps torch=={version}` writes); "
+            f"pass one with --base WHEEL, or leave --base out to use the cached base (downloaded if "
+            f"missing). {path} was left as it is")
+
+
 def build_wheel(base_wheel: os.PathLike, out_dir: os.PathLike, series: Series, progress: Progress = None) -> Path:
     """Write the patched wheel into ``out_dir``; return its path."""
     started = time.monotonic()
@@ -167,10 +197,7 @@ def build_wheel(base_wheel: os.PathLike, out_dir: os.PathLike, series: Series, p
         try:
             wheel = _BaseWheel(path, fh, read_entries(fh)[0])
         except TorchPatchesError as exc:
-            raise TorchPatchesError(
-                f"{path} is not a readable wheel ({exc}): truncated or not a wheel. Download it again "
-                f"(delete the file; without --base, `wheel` downloads the base into its cache), "
-                f"or pass another file with --base WHEEL")
+            raise TorchPatchesError(_unreadable_base(path, str(exc), series))
         _check_base(wheel, series)
         _say(progress, f"base:   {path} ({path.stat().st_size / 1e6:.0f} MB, {len(wheel.entries)} members)")
         version = patched_version(wheel, series)
