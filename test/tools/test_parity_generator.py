@@ -101,8 +101,8 @@ def test_shrink_keeps_the_failure_and_minimises(monkeypatch):
         return out
 
     monkeypatch.setattr(generate, "evaluate", fake_evaluate)
-    shrunk, tried = generate.shrink(prog, "grad matches reference", {}, "/nonexistent")
-    assert tried > 0 and "shrunk" not in shrunk
+    shrunk, tried, detail = generate.shrink(prog, "grad matches reference", {}, "/nonexistent")
+    assert tried > 0 and "shrunk" not in shrunk and detail == "x"
     assert [o["op"] for o in shrunk["ops"]] in (["step", "eval"], ["eval", "step"])
     assert all(shrunk["layout"][k] == v for k, v in generator.SIMPLEST["pp"] if k != "kind")
     assert generator.size(shrunk) < generator.size(prog)

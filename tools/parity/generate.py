@@ -129,7 +129,7 @@ def evaluate(programs: list, oracle: str, pythons: dict, workdir: str, label: st
 
 def shrink(program: dict, signature: str, pythons: dict, workdir: str, max_rounds: int = 12) -> tuple:
     """Greedy: the smallest candidate that fails with the same signature, until none does."""
-    best, tried = program, 0
+    best, tried, detail = program, 0, None
     for round_ in range(max_rounds):
         cands = sorted(generator.shrink_candidates(best), key=generator.size)
         if not cands:
@@ -141,10 +141,10 @@ def shrink(program: dict, signature: str, pythons: dict, workdir: str, max_round
         same = [c for c in cands if verdicts[generator.name(c)] and verdicts[generator.name(c)][0] == signature]
         if not same:
             break
-        best = same[0]
+        best, detail = same[0], verdicts[generator.name(same[0])][1]
         _log(f"    shrink round {round_ + 1}: {len(best['ops'])} ops, size {generator.size(best)}")
     best = {k: v for k, v in best.items() if k != "shrunk"}
-    return best, tried
+    return best, tried, detail
 
 
 def load_known(path: str) -> list:
@@ -231,14 +231,14 @@ def main(argv=None) -> int:
                         line = f"FAIL {n}: {v[0]}: {v[1]}"
                         rec["signature"], rec["detail"] = v
                         if args.shrink:
-                            shrunk, tried = shrink(prog, v[0], pythons, workdir)
+                            shrunk, tried, detail = shrink(prog, v[0], pythons, workdir)
                             rec["shrunk"], rec["shrink_tried"] = shrunk, tried
                             line += f" [shrunk to {len(shrunk['ops'])} ops in {tried} runs]"
                             if args.scripts:
                                 os.makedirs(args.scripts, exist_ok=True)
                                 path = os.path.join(args.scripts, f"gen_{oracle}_{prog['seed']}.py")
                                 with open(path, "w") as f:
-                                    f.write(generator.script(shrunk, f"{v[0]}: {v[1]}"))
+                                    f.write(generator.script(shrunk, f"{v[0]}: {detail or v[1]}"))
                                 line += f" -> {path}"
                     print(line, flush=True)
                     lines.append(line)

@@ -92,7 +92,7 @@ class Pipe:
             elif kind == "container":  # every child sharded, the stage module a plain container
                 for sub in [mod.embed, *mod.layers, mod.norm, mod.head]:
                     if sub is not None:
-                        fully_shard(sub, mesh=mesh["dp"])
+                        fully_shard(sub, mesh=mesh["dp"], reshard_after_forward=True)
             self.mods.append(mod)
             stages.append(pipelining.PipelineStage(mod, i, n, torch.device("cpu"), group=mesh["pp"].get_group()))
         self.first, self.last = 0 in idx, n - 1 in idx
