@@ -2,7 +2,7 @@
 
 layout: {"kind": "container", "n_mb": 2, "placement": "loop", "scale_grads": true, "schedule": "ScheduleInterleavedZeroBubble", "shared": "none", "world": 2}
 
-Fails with: grad present: rank 0: op 4 layers.2.lin.weight: True vs ref False
+Fails with: grad present: rank 0: op 1 layers.2.lin.weight: True vs ref False
 
 Run: python THIS_FILE (exit 1 and FAILED: ... when the bug is present)
 """

@@ -2,7 +2,7 @@
 
 layout: {"kind": "plain", "n_mb": 2, "placement": "loop", "scale_grads": true, "schedule": "ScheduleLoopedBFS", "shared": "layers", "world": 2}
 
-Fails with: grad present: rank 0: op 3 layers.0.lin.weight: True vs ref False
+Fails with: grad present: rank 0: op 2 layers.0.lin.weight: True vs ref False
 
 Run: python THIS_FILE (exit 1 and FAILED: ... when the bug is present)
 """
