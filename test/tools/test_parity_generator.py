@@ -138,7 +138,18 @@ def test_seed_sets_and_known_failures_are_well_formed():
     assert "ci" in sets
     work = generate.seed_set("ci", str(PARITY / "seeds.json"))
     assert {o for o, _ in work} == {"a", "b"}
-    known = generate.load_known(str(PARITY / "known.json"))
+    known, rules = generate.load_known(str(PARITY / "known.json"))
     for entry in known:
         assert (entry["oracle"], entry["seed"]) in work, entry
         assert (PARITY / entry["script"]).is_file(), entry["script"]
+    assert rules and all(r["bug"].strip() for r in rules)
+
+
+def test_rules_match_by_signature_layout_and_ops():
+    rules = [{"oracle": "b", "family": "pp", "signatures": ["grad present"], "layout": {"shared": "layers"},
+              "ops": ["eval"], "bug": "x"}]
+    prog = {"oracle": "b", "family": "pp", "layout": {"shared": "layers"}, "ops": [{"op": "step"}, {"op": "eval"}]}
+    assert generate.matching_rule(prog, "grad present", rules) is rules[0]
+    assert generate.matching_rule(prog, "resharded", rules) is None
+    assert generate.matching_rule({**prog, "ops": [{"op": "step"}]}, "grad present", rules) is None
+    assert generate.matching_rule({**prog, "layout": {"shared": "none"}}, "grad present", rules) is None

@@ -147,16 +147,64 @@ def shrink(program: dict, signature: str, pythons: dict, workdir: str, max_round
     return best, tried, detail
 
 
-def load_known(path: str) -> list:
+def load_known(path: str) -> tuple:
+    """``(seeds, rules)`` of ``known.json``: failures of named seeds (a shrunk script each) and
+    rules that name a class of failures by oracle, signature, layout and operations."""
     if not os.path.exists(path):
-        return []
+        return [], []
     with open(path) as f:
-        entries = json.load(f)["known"]
-    for e in entries:
+        data = json.load(f)
+    for e in data["known"]:
         missing = [k for k in ("oracle", "seed", "signature", "bug", "script") if k not in e]
         if missing:
             raise ValueError(f"known.json entry {e!r} lacks {', '.join(missing)}")
-    return entries
+    for r in data.get("rules", []):
+        missing = [k for k in ("oracle", "signatures", "family", "bug") if k not in r]
+        if missing:
+            raise ValueError(f"known.json rule {r!r} lacks {', '.join(missing)}")
+    return data["known"], data.get("rules", [])
+
+
+def matching_rule(program: dict, signature: str, rules: list):
+    """The first rule naming this failure: same oracle and family, a listed signature, every
+    ``layout`` field among its allowed values and every op of ``ops`` present."""
+    for r in rules:
+        if r["oracle"] != program["oracle"] or r["family"] != program["family"]:
+            continue
+        if signature not in r["signatures"]:
+            continue
+        lay = program["layout"]
+        if any(lay.get(k) not in (v if isinstance(v, list) else [v]) for k, v in r.get("layout", {}).items()):
+            continue
+        if not all(any(op["op"] == want for op in program["ops"]) for want in r.get("ops", [])):
+            continue
+        return r
+    return None
+
+
+def classify(results: str, known_path: str) -> int:
+    """Counts an earlier run's failures by the known.json rule (or seed entry) that names them."""
+    seeds_known, rules = load_known(known_path)
+    known = {(e["oracle"], e["seed"]): e for e in seeds_known}
+    with open(results) as f:
+        data = json.load(f)
+    by_bug, unnamed = {}, []
+    for rec in data["programs"]:
+        if "signature" not in rec:
+            continue
+        entry = known.get((rec["oracle"], rec["seed"]))
+        rule = entry if entry and entry["signature"] == rec["signature"] else matching_rule(
+            rec["program"], rec["signature"], rules)
+        if rule is None:
+            unnamed.append(rec["line"])
+        else:
+            by_bug.setdefault(rule["bug"], []).append(rec["seed"])
+    print(f"{data['summary']}  ({data['command']})")
+    for bug, seeds in sorted(by_bug.items(), key=lambda kv: -len(kv[1])):
+        print(f"{len(seeds):4d}  {bug}  (seeds {', '.join(map(str, seeds[:8]))}{', ...' if len(seeds) > 8 else ''})")
+    for line in unnamed:
+        print(f"   UNNAMED {line}")
+    return 1 if unnamed else 0
 
 
 def seed_set(name: str, path: str) -> list:
@@ -181,13 +229,17 @@ def main(argv=None) -> int:
     parser.add_argument("--set", help="run a committed seed set of seeds.json (both oracles) instead")
     parser.add_argument("--seeds-file", default=os.path.join(HERE, "seeds.json"))
     parser.add_argument("--known", default=KNOWN, help="known failures (JSON, see docs/parity.md)")
-    parser.add_argument("--patched-python", required=True)
+    parser.add_argument("--patched-python")
     parser.add_argument("--pristine-python", help="required by oracle a")
     parser.add_argument("--shrink", action="store_true", help="shrink every failure that is not known")
     parser.add_argument("--scripts", help="write each shrunk failure as a standalone script in this directory")
     parser.add_argument("--print", dest="show", action="store_true", help="print the programs' source and exit")
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
+    parser.add_argument("--classify", metavar="GEN_LAST_JSON",
+                        help="name the failures of an earlier run's gen-last.json by known.json's rules and exit")
     args = parser.parse_args(argv)
+    if args.classify:
+        return classify(args.classify, args.known)
     if args.set:
         work = seed_set(args.set, args.seeds_file)
     else:
@@ -197,10 +249,13 @@ def main(argv=None) -> int:
             prog = generator.generate(seed, oracle)
             print(f"# {generator.name(prog)}: {json.dumps(prog)}\n{generator.render(prog)}")
         return 0
+    if not args.patched_python:
+        parser.error("--patched-python is required")
     if any(o == "a" for o, _ in work) and not args.pristine_python:
         parser.error("oracle a needs --pristine-python")
     pythons = {"patched": args.patched_python, "pristine": args.pristine_python}
-    known = {(e["oracle"], e["seed"]): e for e in load_known(args.known)}
+    seeds_known, rules = load_known(args.known)
+    known = {(e["oracle"], e["seed"]): e for e in seeds_known}
     start = time.monotonic()
     lines, records, failed = [], [], False
     counts = {"a": [0, 0, 0], "b": [0, 0, 0]}  # run, clean, known
@@ -226,6 +281,10 @@ def main(argv=None) -> int:
                     elif entry is not None and v[0] == entry["signature"]:
                         counts[oracle][2] += 1
                         line = f"KNOWN {n}: {v[0]} ({entry['bug']}; {entry['script']})"
+                    elif entry is None and matching_rule(prog, v[0], rules):
+                        counts[oracle][2] += 1
+                        rule = matching_rule(prog, v[0], rules)
+                        line = f"KNOWN {n}: {v[0]}: {v[1][:160]} ({rule['bug']})"
                     else:
                         failed = True
                         line = f"FAIL {n}: {v[0]}: {v[1]}"
