@@ -30,7 +30,7 @@ SIMPLEST = {
     "fsdp": [("aux", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
              ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2)],
-    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", True), ("n_mb", 2)],
+    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2)],
 }
 
 
