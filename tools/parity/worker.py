@@ -76,7 +76,10 @@ def tensor_digest(t) -> str:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    # A copy: exporting the tensor's own storage to numpy makes it non-resizable, and FSDP
+    # frees unsharded parameters by resizing their storage ("Trying to resize storage that
+    # is not resizable" at the next reshard when a digest saw a registered unsharded parameter)
+    t = t.contiguous().clone()
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return f"{tuple(t.shape)}:{str(t.dtype)[6:]}:{hashlib.sha1(data).hexdigest()[:16]}"
 
