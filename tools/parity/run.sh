@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Default parity: bash tools/parity/run.sh [runner args: -k PATTERN, --list, ...]
+# Generated programs: bash tools/parity/run.sh gen [generate.py args: --set ci, --oracle a|b, --seed, ...]
 #
 # The PATCHED torch is $VENV's (default: .venv of this checkout, as
 # tools/run_tests.sh creates it: torch 2.15.0 with the series applied). The
@@ -43,4 +44,8 @@ for py in "$PRISTINE" "$PATCHED"; do
   echo "==> $py: $n patches of the series applied" >&2
 done
 export PARITY_COMMAND="bash tools/parity/run.sh${*:+ $*}"
+if [[ "${1:-}" == "gen" ]]; then
+  shift
+  exec "$PATCHED" tools/parity/generate.py --pristine-python "$PRISTINE" --patched-python "$PATCHED" "$@"
+fi
 exec "$PATCHED" tools/parity/runner.py --pristine-python "$PRISTINE" --patched-python "$PATCHED" "$@"

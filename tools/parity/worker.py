@@ -76,7 +76,10 @@ def tensor_digest(t) -> str:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    # A copy: exporting the tensor's own storage to numpy makes it non-resizable, and FSDP
+    # frees unsharded parameters by resizing their storage ("Trying to resize storage that
+    # is not resizable" at the next reshard when a digest saw a registered unsharded parameter)
+    t = t.contiguous().clone()
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return f"{tuple(t.shape)}:{str(t.dtype)[6:]}:{hashlib.sha1(data).hexdigest()[:16]}"
 
@@ -202,6 +205,11 @@ class Context:
             chain += [type(exc).__name__, normalise(str(exc))]
             exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
         self.recorder.add("exception", *chain)
+
+    def check(self, what: str, ok: bool, detail: str = "") -> None:
+        """An oracle B check of a generated program: records only a failure."""
+        if not ok:
+            self.recorder.add("check_failed", what, normalise(detail))
 
     def expect(self, fn, *args, **kwargs):
         """Calls ``fn``; records ``ok`` or the exception's type and message."""
@@ -330,6 +338,22 @@ def run_scenario(sc, workdir: str, index: int) -> dict:
     return {"outcome": "TIMEOUT" if timed_out else "done", "ranks": ranks}
 
 
+def program_scenarios(path: str) -> list:
+    """Scenarios of generated programs: ``[{"name", "world", "source", "timeout", "gloo_timeout"}]``."""
+    with open(path) as f:
+        programs = json.load(f)
+    out = []
+    for prog in programs:
+        def run(ctx, prog=prog):
+            ns = {"__name__": prog["name"]}
+            exec(compile(prog["source"], prog["name"], "exec"), ns)  # noqa: S102 - our own generated program
+            ns["body"](ctx.rank, ctx.world, ctx)
+
+        out.append(catalogue.Scenario(prog["name"], run, world=prog["world"], timeout=prog.get("timeout", 60.0),
+                                      gloo_timeout=prog.get("gloo_timeout", 8.0)))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="pattern", action="append", default=[],
@@ -337,10 +361,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out")
     parser.add_argument("--list", action="store_true", help="print the scenario names and exit")
     parser.add_argument("--progress", type=int, default=0, help="report every N scenarios on stderr")
+    parser.add_argument("--programs", help="run the generated programs of this JSON file instead of the catalogue")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     preload()
-    scenarios = catalogue.select(args.pattern)
+    scenarios = program_scenarios(args.programs) if args.programs else catalogue.select(args.pattern)
     if args.list:
         for sc in scenarios:
             print(f"{sc.name}  (world {sc.world})")

@@ -1,0 +1,155 @@
+"""The program generator of tools/parity (generator.py, generate.py): determinism,
+validity, the shrinker and the script writer, without starting torch processes."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+PARITY = Path(__file__).resolve().parents[2] / "tools" / "parity"
+sys.path.insert(0, str(PARITY))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, PARITY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+generator = _load("generator")
+generate = _load("generate")
+
+#: Names of the APIs the series adds: oracle A programs must run only what 2.15.0 has.
+NEW_APIS = ["FSDPPolicy", "fsdp_policy", "partial_backward", "finish_forward", "has_pending_gradients",
+            "chunked_loss", "policies("]
+
+
+@pytest.mark.parametrize("oracle", ["a", "b"])
+def test_same_seed_same_program_and_source(oracle):
+    for seed in range(50):
+        a, b = generator.generate(seed, oracle), generator.generate(seed, oracle)
+        assert a == b and json.loads(json.dumps(a)) == a
+        assert generator.render(a) == generator.render(b)
+    distinct = {json.dumps(generator.generate(s, oracle), sort_keys=True) for s in range(50)}
+    assert len(distinct) == 50
+
+
+def test_programs_are_valid_and_compile():
+    families = set()
+    for oracle in "ab":
+        for seed in range(300):
+            prog = generator.generate(seed, oracle)
+            assert generator.valid(prog), prog
+            compile(generator.source(prog), generator.name(prog), "exec")
+            families.add((oracle, prog["family"]))
+    assert families == {(o, f) for o in "ab" for f in ("fsdp", "pp")}
+
+
+def test_oracle_a_programs_use_only_2_15_0_apis():
+    for seed in range(300):
+        body = generator.render(generator.generate(seed, "a"))
+        for api in NEW_APIS:
+            assert api not in body, (seed, api)
+    for name in ("fsdp", "pp"):  # the libraries' helpers are called only by what the body calls
+        lib = generator.library(name)
+        assert "partial_backward" not in lib or "def chunked_loss" in lib
+
+
+def test_layouts_reach_the_target_combinations():
+    """The four bugs of revision 3 need these combinations; the generator must draw each."""
+    seen = set()
+    for seed in range(400):
+        p = generator.generate(seed, "b")
+        lay = p["layout"]
+        if p["family"] == "pp":
+            seen.add(("shared layers", lay["schedule"]) if lay["shared"] == "layers" else None)
+            seen.add(("container", lay["schedule"]) if lay["kind"] == "container" else None)
+        else:
+            seen.add("two scopes" if lay["chunked"] and lay["aux"] and lay["head"] == "separate" else None)
+            seen.add("manual scope" if lay["chunked"] and lay["manual_final"] else None)
+    for want in [("shared layers", "ScheduleInterleaved1F1B"), ("shared layers", "ScheduleLoopedBFS"),
+                 ("container", "ScheduleZBVZeroBubble"), "two scopes", "manual scope"]:
+        assert want in seen, want
+
+
+def test_shrink_candidates_are_valid_and_simpler():
+    for seed in range(40):
+        prog = generator.generate(seed, "b")
+        for cand in generator.shrink_candidates(prog):
+            assert generator.valid(cand)
+            assert generator.size(cand) < generator.size(prog) or cand["ops"] != prog["ops"]
+            assert generator.size(cand) <= generator.size(prog)
+
+
+def test_shrink_keeps_the_failure_and_minimises(monkeypatch):
+    """With a stand-in oracle (fails when an 'eval' op and a plain stage remain), the
+    shrinker ends at one step, the eval and the simplest layout that still fails."""
+    prog = next(p for p in (generator.generate(s, "b") for s in range(500))
+                if p["family"] == "pp" and p["layout"]["kind"] == "plain" and len(p["ops"]) >= 4
+                and any(o["op"] == "eval" for o in p["ops"]))
+
+    def fake_evaluate(programs, oracle, pythons, workdir, label):
+        out = {}
+        for p in programs:
+            bad = any(o["op"] == "eval" for o in p["ops"]) and p["layout"]["kind"] == "plain"
+            out[generator.name(p)] = ("grad matches reference", "x") if bad else None
+        return out
+
+    monkeypatch.setattr(generate, "evaluate", fake_evaluate)
+    shrunk, tried, detail = generate.shrink(prog, "grad matches reference", {}, "/nonexistent")
+    assert tried > 0 and "shrunk" not in shrunk and detail == "x"
+    assert [o["op"] for o in shrunk["ops"]] in (["step", "eval"], ["eval", "step"])
+    assert all(shrunk["layout"][k] == v for k, v in generator.SIMPLEST["pp"] if k != "kind")
+    assert generator.size(shrunk) < generator.size(prog)
+
+
+def test_script_is_standalone_and_runs_the_same_body():
+    for oracle, seed in [("b", 0), ("b", 1), ("a", 2)]:
+        prog = generator.generate(seed, oracle)
+        text = generator.script(prog, "grad matches reference: rank 0: op 2 x")
+        compile(text, "script", "exec")
+        assert generator.render(prog) in text
+        assert "Fails with: grad matches reference" in text
+        assert re.search(r"^WORLD = [24]$", text, re.M)
+        imports = {m.split()[1].split(".")[0] for m in re.findall(r"^(?:import|from) \S+", text, re.M)}
+        assert imports <= {"collections", "copy", "contextlib", "torch", "datetime", "sys", "tempfile"}
+        assert "tools/parity" not in text.split('"""', 2)[2]  # no import of the harness
+
+
+def test_failure_b_and_a_signatures():
+    ok = {"outcome": "done", "ranks": [{"outcome": "ok", "events": [["phase", "x"]]}] * 2}
+    assert generate.failure_b(ok) is None
+    bad = {"outcome": "done", "ranks": [{"outcome": "ok", "events": [["check_failed", "resharded", "2048 B"]]}]}
+    assert generate.failure_b(bad) == ("resharded", "rank 0: 2048 B")
+    assert generate.failure_b({"outcome": "TIMEOUT", "ranks": []})[0] == "TIMEOUT"
+    a = {"outcome": "done", "ranks": [{"outcome": "ok", "events": [["grads", {"w": "1"}]]}]}
+    b = {"outcome": "done", "ranks": [{"outcome": "ok", "events": [["grads", {"w": "2"}]]}]}
+    assert generate.failure_a(a, a) is None
+    assert generate.failure_a(a, b)[0] == "differs: grads"
+
+
+def test_seed_sets_and_known_failures_are_well_formed():
+    sets = json.loads((PARITY / "seeds.json").read_text())["sets"]
+    assert "ci" in sets
+    work = generate.seed_set("ci", str(PARITY / "seeds.json"))
+    assert {o for o, _ in work} == {"a", "b"}
+    known, rules = generate.load_known(str(PARITY / "known.json"))
+    for entry in known:
+        assert (entry["oracle"], entry["seed"]) in work, entry
+        assert (PARITY / entry["script"]).is_file(), entry["script"]
+    assert rules and all(r["bug"].strip() for r in rules)
+
+
+def test_rules_match_by_signature_layout_and_ops():
+    rules = [{"oracle": "b", "family": "pp", "signatures": ["grad present"], "layout": {"shared": "layers"},
+              "ops": ["eval"], "bug": "x"}]
+    prog = {"oracle": "b", "family": "pp", "layout": {"shared": "layers"}, "ops": [{"op": "step"}, {"op": "eval"}]}
+    assert generate.matching_rule(prog, "grad present", rules) is rules[0]
+    assert generate.matching_rule(prog, "resharded", rules) is None
+    assert generate.matching_rule({**prog, "ops": [{"op": "step"}]}, "grad present", rules) is None
+    assert generate.matching_rule({**prog, "layout": {"shared": "none"}}, "grad present", rules) is None

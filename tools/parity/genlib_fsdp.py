@@ -1,0 +1,184 @@
+"""Runtime of generated FSDP programs (tools/parity/generate.py): a tiny decoder,
+its unsharded reference and the checks of oracle B. Generated programs and the
+standalone scripts written from them use this file's text verbatim."""
+import collections
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.distributed.tensor import DTensor
+
+V, D, S, B = 32, 16, 8, 2  # vocabulary, width, sequence length, microbatch size
+LR, TOL = 0.1, 1e-4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self, norm_in_forward, aux):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.mtp = nn.Linear(D, V, bias=False) if aux else None  # an auxiliary head
+        self.norm_in_forward = norm_in_forward
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h) if self.norm_in_forward else h
+
+    def head(self, h):
+        return self.lm_head(h if self.norm_in_forward else self.norm(h))
+
+    def aux(self, h):
+        return self.mtp(h)
+
+
+def make_net(norm_in_forward=True, aux=False, tied=False, frozen_embed=False):
+    """``(model, ref)``: the model to shard and its unsharded copy."""
+    torch.manual_seed(0)
+    net = Net(norm_in_forward, aux)
+    if tied:
+        net.lm_head.weight = net.tok_embeddings.weight
+    if frozen_embed:
+        net.tok_embeddings.weight.requires_grad_(False)
+    return net, copy.deepcopy(net)
+
+
+def data(step, rank, mb):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + mb)
+    return torch.randint(0, V, (B, S), generator=gen), torch.randint(0, V, (B, S), generator=gen)
+
+
+def ce(logits, labels, n_mb):
+    """Summed over tokens, divided by the step's token count: chunks add up."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (B * S * n_mb)
+
+
+def full_loss(m, tokens, labels, n_mb, finish=False):
+    """One microbatch without chunking."""
+    h = m(tokens)
+    logits = m.head(h)
+    loss = ce(scope_of(m).finish_forward(logits) if finish else logits, labels, n_mb)
+    if m.mtp is not None:
+        loss = loss + ce(m.aux(h), labels.roll(1, 1), n_mb)
+    loss.backward()
+
+
+def scope_of(m):
+    """The module a chunked loss enters ``partial_backward`` on: the head's group, else the root."""
+    return m.lm_head if isinstance(m.lm_head, FSDPModule) else m
+
+
+def chunked_loss(m, tokens, labels, n_mb, n_chunks):
+    """One microbatch of the chunked loss: one ``partial_backward`` scope per head."""
+    h = m(tokens)
+    chunks = [c.detach().requires_grad_(h.requires_grad) for c in h.chunk(n_chunks, 1)]
+    heads = [(scope_of(m), m.head, labels)]
+    if m.mtp is not None:
+        heads.append((m.mtp, m.aux, labels.roll(1, 1)))
+    for scope, head, target in heads:
+        with scope.partial_backward(outer_backward=h.requires_grad):
+            for c, t in zip(chunks, target.chunk(n_chunks, 1)):
+                ce(scope.finish_forward(head(c)), t, n_mb).backward()
+    if h.requires_grad:
+        h.backward(torch.cat([c.grad for c in chunks], 1))
+
+
+def ref_train(ref, step, world, n_mb):
+    """The reference's gradients for one optimizer step of every rank's data."""
+    for rank in range(world):
+        for mb in range(n_mb):
+            t, y = data(step, rank, mb)
+            h = ref(t)
+            loss = ce(ref.head(h), y, n_mb)
+            if ref.mtp is not None:
+                loss = loss + ce(ref.aux(h), y.roll(1, 1), n_mb)
+            (loss / world).backward()
+
+
+def fsdp_modules(m):
+    return [x for x in m.modules() if isinstance(x, FSDPModule)]
+
+
+def groups(m):
+    return [g for x in fsdp_modules(m) for g in x._get_fsdp_state()._fsdp_param_groups]
+
+
+def unsharded_bytes(group_list):
+    """Bytes of unsharded parameter storage the groups hold."""
+    total = 0
+    for g in group_list:
+        for fp in g.fsdp_params:
+            t = getattr(fp, "_unsharded_param", None)
+            if t is not None:
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+class Reductions:
+    """Counts ``foreach_reduce`` calls (one reduction of one group) by group, named by its first
+    parameter; a group tied across both ends of the model (``tok_embeddings``) is not counted: 2.15.0
+    reduces it once or twice per backward depending on the layout."""
+
+    def __init__(self, m, tied):
+        self.count = collections.Counter()
+        orig = _fsdp_param_group.foreach_reduce
+
+        def counting(fsdp_params, *args, **kwargs):
+            group = next(g for g in groups(m) if any(fp is fsdp_params[0] for fp in g.fsdp_params))
+            name = group.fsdp_params[0]._param_fqn
+            if not (tied and name.startswith("tok_embeddings")):
+                self.count[name] += 1
+            return orig(fsdp_params, *args, **kwargs)
+
+        _fsdp_param_group.foreach_reduce = counting
+
+
+def policies(m):
+    return [x.get_fsdp_policy() for x in fsdp_modules(m)]
+
+
+def hold_probe(m, held, head_groups):
+    """Records the head groups' unsharded bytes when the decoder backward reaches layers[0]."""
+    def hook(module, args, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: held.append(unsharded_bytes(head_groups())))
+    m.layers[0].register_forward_hook(hook)
+
+
+def check_grads(ctx, opt, ref, label):
+    """The optimizer's (sharded) parameters against the reference's, in construction order."""
+    for (name, rp), p in zip(ref.named_parameters(), opt.param_groups[0]["params"]):
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        if g is None or rp.grad is None:
+            ctx.check("grad present", (g is None) == (rp.grad is None), f"{label} {name}: {g is None} vs ref {rp.grad is None}")
+            continue
+        err = (g - rp.grad).abs().max().item()
+        ctx.check("grad matches reference", err <= TOL, f"{label} {name}: max |grad - ref| {err:.2e}")
+
+
+def optim_step(ctx, m, ref, opt, ref_opt, label):
+    check_grads(ctx, opt, ref, label)
+    ctx.grads(m)
+    opt.step()
+    ref_opt.step()
+    ctx.params(m)
+    opt.zero_grad()
+    ref_opt.zero_grad()
