@@ -1243,6 +1243,72 @@ class TestFullyShardPartialBackwardManualFinalization(
 instantiate_parametrized_tests(TestFullyShardPartialBackwardManualFinalization)
 
 
+
+class TestFullyShardPartialBackwardOnRoot(
+    _LifecycleTestMixin, GlooMultiProcessTestCase
+):
+    """
+    A ``partial_backward`` scope entered on the root keeps the groups that run
+    in it gathered: a separately sharded ``lm_head`` is all-gathered once per
+    microbatch over 4 chunks, as with the scope on ``lm_head`` (revision 3: 5
+    times per microbatch, silently), and the gradients and parameters match
+    the reference over several steps.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_root_scope_gathers_head_once(self):
+        mesh = self._mesh()
+        num_chunks = 4
+        models = {}
+        for where in ("lm_head", "root"):
+            models[where], ref = _make_models(
+                "separate", "full", norm_in_forward=True, mesh=mesh
+            )
+        optims = [torch.optim.SGD(m.parameters(), lr=LR) for m in models.values()]
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        head_all_gathers: dict[str, list[int]] = {w: [] for w in models}
+        for step in range(NUM_STEPS):
+            tokens, labels = _make_data(self.rank + 100 * step)
+            for where, model in models.items():
+                scope_module = model if where == "root" else model.lm_head
+                recorder = _Recorder(model)
+                head = _head_group(model)
+                with recorder.record():
+                    for mb in range(NUM_MICROBATCHES):
+                        num_ag = recorder.all_gathers[head]
+                        h = model(tokens[mb])
+                        h_chunks = [
+                            c.detach().requires_grad_()
+                            for c in h.chunk(num_chunks, dim=1)
+                        ]
+                        with scope_module.partial_backward():
+                            for h_chunk, label_chunk in zip(
+                                h_chunks, labels[mb].chunk(num_chunks, dim=1)
+                            ):
+                                logits = model.lm_head.finish_forward(
+                                    model.head(h_chunk)
+                                )
+                                _loss(logits, label_chunk).backward()
+                        h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+                        head_all_gathers[where].append(
+                            recorder.all_gathers[head] - num_ag
+                        )
+            self._reference_step(ref, tokens, labels)
+            for model in models.values():
+                self._assert_matches_reference(model, ref, "grad")
+            for optim in (*optims, ref_optim):
+                optim.step()
+                optim.zero_grad()
+            for model in models.values():
+                self._assert_matches_reference(model, ref, "param")
+        self.assertEqual(
+            head_all_gathers["lm_head"], [1] * (NUM_STEPS * NUM_MICROBATCHES)
+        )
+        self.assertEqual(head_all_gathers["root"], head_all_gathers["lm_head"])
+
 class _MTPTransformer(Transformer):
     """
     ``Transformer`` with an auxiliary head (multi-token prediction): a separate

@@ -1812,7 +1812,10 @@ class TestFullyShardOldSetters(_PolicyTestBase):
         setter as in 2.15.0, on states with parameters (stored as given) and
         without (the parameterless ``body``), on the root and recursively;
         ``get_fsdp_policy()`` then reads the value FSDP acts on, never raises,
-        and round-trips. Revision 2 raised ``TypeError`` on the parameterless
+        and round-trips: ``set_fsdp_policy(get_fsdp_policy())`` and
+        an ``fsdp_policy`` scope that changes nothing leave the stored object
+        itself (revision 3 stored ``False`` for a setter's ``0``); a scope
+        that changes the field restores it as a ``bool``. Revision 2 raised ``TypeError`` on the parameterless
         state after changing the modules before it, and a non-bool stored on
         a state with parameters made ``get_fsdp_policy()`` raise.
         """
@@ -1832,6 +1835,29 @@ class TestFullyShardOldSetters(_PolicyTestBase):
                         self.assertIs(getattr(policy, field), bool(value), where)
                     module.set_fsdp_policy(policy, recurse=False)
                     self.assertEqual(module.get_fsdp_policy(), policy, where)
+                    with module.fsdp_policy(recurse=False):
+                        pass
+                    # The round trips keep the stored value itself
+                    groups = module._get_fsdp_state()._fsdp_param_groups
+                    for group in groups:
+                        for field in _SETTER_FIELDS[setter]:
+                            self.assertIs(getattr(group, field), value, where)
+                    # A scope that changes the field restores its value as the
+                    # policy holds it, a bool (documented in FSDPPolicy)
+                    with module.fsdp_policy(
+                        requires_gradient_sync=not policy.requires_gradient_sync,
+                        reshard_after_backward=not policy.reshard_after_backward,
+                        recurse=False,
+                    ):
+                        pass
+                    for group in groups:
+                        for field in _SETTER_FIELDS[setter]:
+                            changed = field != "all_reduce_grads"
+                            self.assertIs(
+                                getattr(group, field),
+                                bool(value) if changed else value,
+                                where,
+                            )
                 # FSDP acts on the value as 2.15.0 does: one training step
                 _loss(model(torch.randn(4, DIM))).backward()
                 for name, policy in fsdp_policies(model).items():
