@@ -361,6 +361,28 @@ class _LifecycleTestMixin:
             losses.append(rank_losses)
         return losses
 
+    def _step_against_reference(
+        self,
+        models: list[nn.Module],
+        ref: Transformer,
+        tokens: list[torch.Tensor],
+        labels: list[torch.Tensor],
+        optims: list[torch.optim.Optimizer],
+    ) -> None:
+        """
+        Ends one optimizer step of ``models`` that ran ``tokens``: each one's
+        gradients match ``ref``'s on the same data, then every optimizer
+        steps and the parameters match.
+        """
+        self._reference_step(ref, tokens, labels)
+        for model in models:
+            self._assert_matches_reference(model, ref, "grad")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        for model in models:
+            self._assert_matches_reference(model, ref, "param")
+
     def _assert_matches_reference(
         self, model: nn.Module, ref: nn.Module, what: str
     ) -> None:
@@ -1208,14 +1230,9 @@ class TestFullyShardPartialBackwardManualFinalization(
                         step_samples.append(list(probe.samples))
                     if manual:
                         model.finalize_backward()
-            self._reference_step(ref, tokens, labels)
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "grad")
-            for optim in (*optims.values(), ref_optim):
-                optim.step()
-                optim.zero_grad()
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "param")
+            self._step_against_reference(
+                list(models.values()), ref, tokens, labels, [*list(optims.values()), ref_optim]
+            )
         # The non-chunked program frees the head and issues its reduce-scatter
         # before the decoder backward; the chunked one does the same
         self.assertEqual(
@@ -1296,14 +1313,9 @@ class TestFullyShardPartialBackwardOnRoot(
                         head_all_gathers[where].append(
                             recorder.all_gathers[head] - num_ag
                         )
-            self._reference_step(ref, tokens, labels)
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "grad")
-            for optim in (*optims, ref_optim):
-                optim.step()
-                optim.zero_grad()
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "param")
+            self._step_against_reference(
+                list(models.values()), ref, tokens, labels, [*optims, ref_optim]
+            )
         self.assertEqual(
             head_all_gathers["lm_head"], [1] * (NUM_STEPS * NUM_MICROBATCHES)
         )
@@ -1515,14 +1527,9 @@ class TestFullyShardPolicyUnshardInFlight(
                             h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
                 head_all_gathers[chunked].append(recorder.all_gathers[head])
                 self.assertEqual(fsdp_policies(model), policies)
-            self._reference_step(ref, tokens, labels)
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "grad")
-            for optim in (*optims.values(), ref_optim):
-                optim.step()
-                optim.zero_grad()
-            for model in models.values():
-                self._assert_matches_reference(model, ref, "param")
+            self._step_against_reference(
+                list(models.values()), ref, tokens, labels, [*list(optims.values()), ref_optim]
+            )
         # The in-flight all-gather is used, not redone: no more head
         # all-gathers than without the policy change
         for num_ag, baseline_ag in zip(
