@@ -126,12 +126,12 @@ def test_shipped_entries_fit_upstreams_api_section():
     entries insert in stack order into a file shaped like upstream's API section."""
     manifest = read_manifest(SHIPPED)
     entries = read_docs_entries(SHIPPED)
-    assert set(entries) == {"203177", "203176", "has_pending_gradients"}
+    assert set(entries) == {"203177", "203176", "Add-read-only-FSDPModule-queries"}
     assert manifest.docs_file == DOC
     keys = [t.key for t in manifest.trackers]
     assert set(entries) <= set(keys)
     text = DOC_TEXT
-    for key in ("203177", "203176", "has_pending_gradients"):  # the stack order
+    for key in ("203177", "203176", "Add-read-only-FSDPModule-queries"):  # the stack order
         text = docs.insert_all(text, entries[key], DOC)
     at = {name: text.index(name) for name in (
         ".. autoclass:: FSDPModule", "FSDPModule.get_fsdp_policy", "FSDPModule.partial_backward",
@@ -205,7 +205,7 @@ def test_export_with_source_commits_the_docs(pristine_site, fake_python, docs_st
     expected = apply_series(series, {API: base[API], STATE: base[STATE]})
     assert (tree / API).read_bytes() == expected[API] and (tree / STATE).read_bytes() == expected[STATE]
     assert _git(tree, "log", "--format=%s", "-2").splitlines() == [
-        "[FSDP2] Add docs for partial_backward() and finish_forward()", "[FSDP2] Add partial"]
+        "[FSDP2] Add docs for partial_backward()", "[FSDP2] Add partial"]
     assert (source / DOC).read_text() == DOC_TEXT  # the source checkout is only read
 
 

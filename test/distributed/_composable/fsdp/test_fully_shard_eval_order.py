@@ -79,12 +79,15 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, *, checkpointed: bool = False) -> None:
+    def __init__(self, *, checkpointed: bool = False, head_in_forward: bool = True):
         super().__init__()
         self.embed = nn.Linear(DIM, DIM)
         self.body = nn.ModuleList([Block() for _ in range(2)])
         self.lm_head = nn.Linear(DIM, DIM)
         self.checkpointed = checkpointed
+        # ``False``: the forward returns the hidden state and the caller runs
+        # ``lm_head`` on it, after the root's forward
+        self.head_in_forward = head_in_forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -93,7 +96,10 @@ class Model(nn.Module):
                 x = checkpoint(block, x, use_reentrant=True)
             else:
                 x = block(x)
-        return self.lm_head(x)
+        return self.lm_head(x) if self.head_in_forward else x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) if self.head_in_forward else self.lm_head(self(x))
 
 
 def _shard(model: Model) -> Model:
@@ -152,6 +158,54 @@ class TestFullyShardEvalOrder(GlooMultiProcessTestCase):
             for param, ref_param in zip(model.parameters(), ref_model.parameters()):
                 self.assertEqual(param.full_tensor(), ref_param.full_tensor())
         dist.barrier()
+
+    # The backward's all-gathers in each program of
+    # ``test_backward_all_gathers_against_2_15_0`` on torch 2.15.0 without the
+    # patch (measured by running this test there): the evaluation forward's
+    # stale post-forward entries make the next backward prefetch by them and
+    # all-gather the head once more
+    ALL_GATHERS_2_15_0 = {"train": 3, "eval_then_train": 4, "eval_between": 4}
+
+    def test_backward_all_gathers_against_2_15_0(self):
+        """
+        The backward after an evaluation forward (before the training forward,
+        or between it and its backward) issues the all-gathers of a training
+        step without evaluation (3), one fewer than 2.15.0
+        (:attr:`ALL_GATHERS_2_15_0`), with bitwise equal gradients, over
+        several SGD steps.
+        """
+        torch.manual_seed(0)
+        base = Model(head_in_forward=False)
+        models = {name: _shard(copy.deepcopy(base)) for name in self.ALL_GATHERS_2_15_0}
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models.values()]
+        gen = torch.Generator().manual_seed(self.rank)
+        for step in range(3):
+            inp = torch.randn(4, DIM, generator=gen)
+            counts, grads = {}, {}
+            for name, model in models.items():
+                if name == "eval_then_train":
+                    with torch.no_grad():
+                        model.logits(inp)
+                loss = model.logits(inp).square().mean()
+                if name == "eval_between":
+                    with torch.no_grad():
+                        model.logits(inp)
+                counter = CollectiveCounter()
+                with counter.count():
+                    loss.backward()
+                counts[name] = counter["all_gather"]
+                grads[name] = [p.grad.full_tensor() for p in model.parameters()]
+            self.assertEqual(
+                counts,
+                dict.fromkeys(self.ALL_GATHERS_2_15_0, 3),
+                f"step {step}: {counts}",
+            )
+            for name in models:
+                for grad, train_grad in zip(grads[name], grads["train"], strict=True):
+                    self.assertTrue(torch.equal(grad, train_grad), name)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
 
     def test_eval_loop_bounded(self):
         """

@@ -141,12 +141,12 @@ class TestFullyShardPendingGradients(GlooMultiProcessTestCase):
         (the autograd leaves whose ``.grad`` backward accumulates), also after
         ``reshard_after_forward=True`` registered the sharded parameters
         again, plus ignored parameters as registered; before the first forward
-        it returns the sharded parameters.
+        it returns only the parameters FSDP does not manage, never a sharded
+        one (revision 3 returned the sharded parameters).
         """
         model, ref_model = self._build()
         self.assertEqual(
-            [id(p) for p in model.unsharded_parameters()],
-            [id(p) for p in model.parameters()],
+            [id(p) for p in model.unsharded_parameters()], [id(model.scale)]
         )
         model.set_requires_gradient_sync(False)
         x = self._batch(0, 0)
@@ -176,6 +176,69 @@ class TestFullyShardPendingGradients(GlooMultiProcessTestCase):
             [id(unsharded[names.index(f"lin0.{n}")]) for n in ("weight", "bias")],
         )
         model.reset_iter_state()
+
+    def test_recurse_and_frozen_groups(self):
+        """
+        ``recurse`` has one meaning for both queries, that of
+        :meth:`nn.Module.parameters`: on a root whose parameter group holds
+        only ``lin0``'s parameters (a plain submodule), ``recurse=False``
+        checks and yields only the parameters registered on the root itself
+        (here the frozen, ignored ``scale``), and ``recurse=True`` the whole
+        subtree. A group whose
+        parameters are all frozen (``lin1``) never has pending gradients, also
+        after a no-sync backward. Revision 3: the root said pending with
+        ``recurse=False`` while ``unsharded_parameters(recurse=False)`` was
+        empty, and the frozen group said pending. Several accumulation steps
+        match a reference.
+        """
+        torch.manual_seed(0)
+        ref_model = Model()
+        ref_model.lin1.requires_grad_(False)
+        ref_model.scale.requires_grad_(False)
+        model = copy.deepcopy(ref_model)
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        fully_shard(model.lin1, mesh=mesh)
+        # The root's group holds lin0's parameters
+        fully_shard(model, mesh=mesh, ignored_params={model.scale})
+        optim = torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad], lr=LR
+        )
+        ref_optim = torch.optim.SGD(
+            [p for p in ref_model.parameters() if p.requires_grad], lr=LR
+        )
+        for step in range(3):
+            for microbatch in range(2):
+                last = microbatch == 1
+                model.set_requires_gradient_sync(last)
+                x = self._batch(step, microbatch)
+                model(x.chunk(self.world_size)[self.rank]).sum().backward()
+                ref_model(x).sum().div(self.world_size).backward()
+                self.assertEqual(model.has_pending_gradients(), not last)
+                # Registered on the root itself: only the unmanaged ``scale``
+                self.assertEqual(
+                    list(model.unsharded_parameters(recurse=False)), [model.scale]
+                )
+                self.assertFalse(model.has_pending_gradients(recurse=False))
+                # The frozen group
+                for recurse in (True, False):
+                    self.assertFalse(
+                        model.lin1.has_pending_gradients(recurse=recurse)
+                    )
+                self.assertEqual(
+                    len(list(model.lin1.unsharded_parameters(recurse=False))), 2
+                )
+            for name, param in model.named_parameters():
+                ref_param = dict(ref_model.named_parameters())[name]
+                if ref_param.grad is None:
+                    self.assertIsNone(param.grad, name)
+                else:
+                    self.assertEqual(
+                        param.grad.full_tensor(), ref_param.grad, msg=name
+                    )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
 
 
 class TestFullyShardIsFSDPRoot(GlooMultiProcessTestCase):

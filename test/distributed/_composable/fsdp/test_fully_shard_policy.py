@@ -1,8 +1,9 @@
 # Owner(s): ["oncall: distributed"]
 """
-Tests for the value-based FSDP2 policy API (pytorch/pytorch#203177):
-``FSDPPolicy``, ``FSDPModule.get_fsdp_policy``, ``FSDPModule.set_fsdp_policy``
-and ``FSDPModule.fsdp_policy``.
+Tests for the value-based FSDP2 policy API (pytorch/pytorch#203177) on FSDP
+modules: ``FSDPModule.get_fsdp_policy``, ``FSDPModule.set_fsdp_policy`` and
+``FSDPModule.fsdp_policy``. The ``FSDPPolicy`` value itself is tested in
+``test_fully_shard_policy_value.py``.
 
 Every multi-process test runs gloo on CPU through ``GlooMultiProcessTestCase``
 (``FSDPTest`` skips every test on a CPU-only machine in torch 2.15.0).
@@ -41,7 +42,6 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
-    TestCase,
 )
 
 
@@ -234,78 +234,6 @@ def _all_inputs(local: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _local_inputs(rank: int, num_microbatches: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed + 1000 * rank)
     return [torch.randn(4, DIM, generator=generator) for _ in range(num_microbatches)]
-
-
-# ---------------------------------------------------------------------------
-# 1. The value
-# ---------------------------------------------------------------------------
-class TestFSDPPolicyValue(TestCase):
-    def test_frozen_comparable_hashable(self):
-        policy = FSDPPolicy()
-        self.assertEqual(
-            dataclasses.asdict(policy),
-            {
-                "requires_gradient_sync": True,
-                "requires_all_reduce": True,
-                "reshard_after_forward": None,
-                "reshard_after_backward": True,
-            },
-        )
-        self.assertTrue(dataclasses.is_dataclass(FSDPPolicy))
-        with self.assertRaises(dataclasses.FrozenInstanceError):
-            policy.requires_gradient_sync = False  # type: ignore[misc]
-        for value in (True, False, None, 2):
-            a = FSDPPolicy(requires_all_reduce=False, reshard_after_forward=value)
-            b = FSDPPolicy(requires_all_reduce=False, reshard_after_forward=value)
-            self.assertIsNot(a, b)
-            self.assertEqual(a, b)
-            self.assertEqual(hash(a), hash(b))
-            self.assertNotEqual(a, FSDPPolicy(reshard_after_forward=value))
-        # Every field takes part in equality and hashing
-        variants = {
-            FSDPPolicy(),
-            FSDPPolicy(requires_gradient_sync=False),
-            FSDPPolicy(requires_all_reduce=False),
-            FSDPPolicy(reshard_after_forward=True),
-            FSDPPolicy(reshard_after_forward=False),
-            FSDPPolicy(reshard_after_forward=2),
-            FSDPPolicy(reshard_after_backward=False),
-        }
-        self.assertEqual(len(variants), 7)
-        self.assertIn(FSDPPolicy(reshard_after_forward=2), variants)
-        replaced = dataclasses.replace(policy, reshard_after_backward=False)
-        self.assertEqual(replaced, FSDPPolicy(reshard_after_backward=False))
-        self.assertEqual(policy, FSDPPolicy())  # unchanged
-
-    def test_field_checks(self):
-        for name in (
-            "requires_gradient_sync",
-            "requires_all_reduce",
-            "reshard_after_backward",
-        ):
-            for bad in (1, 0, None, "True", 1.0):
-                with self.assertRaisesRegex(TypeError, name):
-                    FSDPPolicy(**{name: bad})
-        for bad in ("True", "2", 2.0, [2]):
-            with self.assertRaisesRegex(TypeError, "reshard_after_forward"):
-                FSDPPolicy(reshard_after_forward=bad)
-        for bad in (0, -1, -4):
-            with self.assertRaisesRegex(ValueError, "reshard_after_forward"):
-                FSDPPolicy(reshard_after_forward=bad)
-        # Bools are not ints here, and mesh-dependent ints are checked on apply
-        for ok in (True, False, None, 1, 3, 4, 1024):
-            self.assertEqual(
-                FSDPPolicy(reshard_after_forward=ok).reshard_after_forward, ok
-            )
-
-    def test_exported(self):
-        import torch.distributed.fsdp as fsdp_pkg
-
-        self.assertIs(fsdp_pkg.FSDPPolicy, FSDPPolicy)
-        self.assertIn("FSDPPolicy", fsdp_pkg.__all__)
-        self.assertEqual(FSDPPolicy.__module__, "torch.distributed.fsdp")
-        for name in ("get_fsdp_policy", "set_fsdp_policy", "fsdp_policy"):
-            self.assertTrue(callable(getattr(FSDPModule, name)), name)
 
 
 # ---------------------------------------------------------------------------
@@ -750,7 +678,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
                 self.assertTrue(root_ctx.is_last_backward)
             ref_inp = torch.cat([inputs[0] for inputs in all_inputs])
             _loss(ref_model(ref_inp)).backward()
-            self.assertFalse(model.has_pending_gradients())
+            # Sharded gradients equal to the full batch's: reduced, none pending
             for (name, param), ref_param in zip(
                 model.named_parameters(), ref_model.parameters()
             ):
@@ -1812,7 +1740,10 @@ class TestFullyShardOldSetters(_PolicyTestBase):
         setter as in 2.15.0, on states with parameters (stored as given) and
         without (the parameterless ``body``), on the root and recursively;
         ``get_fsdp_policy()`` then reads the value FSDP acts on, never raises,
-        and round-trips. Revision 2 raised ``TypeError`` on the parameterless
+        and round-trips: ``set_fsdp_policy(get_fsdp_policy())`` and
+        an ``fsdp_policy`` scope that changes nothing leave the stored object
+        itself (revision 3 stored ``False`` for a setter's ``0``); a scope
+        that changes the field restores it as a ``bool``. Revision 2 raised ``TypeError`` on the parameterless
         state after changing the modules before it, and a non-bool stored on
         a state with parameters made ``get_fsdp_policy()`` raise.
         """
@@ -1832,6 +1763,29 @@ class TestFullyShardOldSetters(_PolicyTestBase):
                         self.assertIs(getattr(policy, field), bool(value), where)
                     module.set_fsdp_policy(policy, recurse=False)
                     self.assertEqual(module.get_fsdp_policy(), policy, where)
+                    with module.fsdp_policy(recurse=False):
+                        pass
+                    # The round trips keep the stored value itself
+                    groups = module._get_fsdp_state()._fsdp_param_groups
+                    for group in groups:
+                        for field in _SETTER_FIELDS[setter]:
+                            self.assertIs(getattr(group, field), value, where)
+                    # A scope that changes the field restores its value as the
+                    # policy holds it, a bool (documented in FSDPPolicy)
+                    with module.fsdp_policy(
+                        requires_gradient_sync=not policy.requires_gradient_sync,
+                        reshard_after_backward=not policy.reshard_after_backward,
+                        recurse=False,
+                    ):
+                        pass
+                    for group in groups:
+                        for field in _SETTER_FIELDS[setter]:
+                            changed = field != "all_reduce_grads"
+                            self.assertIs(
+                                getattr(group, field),
+                                bool(value) if changed else value,
+                                where,
+                            )
                 # FSDP acts on the value as 2.15.0 does: one training step
                 _loss(model(torch.randn(4, DIM))).backward()
                 for name, policy in fsdp_policies(model).items():
