@@ -9,12 +9,15 @@ several optimizer steps.
 """
 
 import copy
+import datetime
 import os
 import sys
 import time
+import warnings
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -47,6 +50,10 @@ NUM_MICROBATCHES = 4
 MICROBATCH_SIZE = 2
 BATCH = NUM_MICROBATCHES * MICROBATCH_SIZE
 LR = 0.1
+# A process group timeout short enough that a hang fails the test quickly,
+# and the time within which a rank must fail after its peer failed
+PG_TIMEOUT_S = 20
+FAST_FAILURE_S = 5.0
 
 # name: (schedule class, stages per rank)
 SCHEDULES = {
@@ -398,82 +405,142 @@ class TestPipelineStepWorld2(_Base):
             self._optimizer_step()
 
     @parametrize("schedule", ["gpipe", "1f1b"])
-    @parametrize("where", ["loss_mb0", "loss_mb1"])
     @parametrize("dp", ["none", "fsdp"])
-    def test_retry_after_failure_every_rank(self, schedule: str, where: str, dp: str):
+    def test_retry_after_failure_every_rank(self, schedule: str, dp: str):
         """Findings 5 and 6 across ranks: the last stage's loss raises at
-        microbatch m and stage 0's forward at microbatch m + 1, so that each
-        rank raises without waiting for the other, with a send of stage 0's
-        still in flight; after zero_grad() the retry trains with the
-        reference gradients and returns every loss. (The multi-stage
-        schedules refuse such a retry with 2.15.0's "receive buffer still
-        owned" error.) The single-rank test below covers every schedule
-        bitwise."""
-        self._check_retry(schedule, where, dp)
-
-    def _check_retry(self, schedule: str, where: str, dp: str) -> None:
+        microbatch 0 and stage 0's forward at microbatch 1, after the last
+        stage has received microbatch 0, so that each rank raises with none
+        of the step's sends or receives in flight; after zero_grad() the retry
+        trains with the reference gradients and returns every loss. The
+        single-rank test below covers every schedule bitwise."""
         sched = self._build(schedule, dp)
-        fail_mb = int(where[-1])
+        sync = dist.FileStore(f"{self.file_name}.sync", self.world_size)
+        first, fail = self._inject_failures(sched, sync)
+        for it in range(2):
+            x, y = self._data(it)
+            if it == 1:
+                fail["armed"] = True
+                # GPipe wraps a forward's error in a RuntimeError
+                with self.assertRaises(Exception):
+                    self._run_step(sched, x, y, losses=[])
+                fail["armed"] = False
+                for module in self.modules.values():
+                    module.zero_grad(set_to_none=True)
+            losses: list = []
+            self._run_step(sched, x, y, losses=losses)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
+            self._optimizer_step()
+            if self.last in self.modules:
+                self.assertEqual(len(losses), NUM_MICROBATCHES)
+
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    def test_retry_refused_after_failure_with_p2p_in_flight(self, schedule: str):
+        """Point 2 of revision 4: when stage 0 raises with a send that the last
+        stage has not received yet, the retry must not run (it would hang, or
+        match the stale operation): stage 0's retry raises a RuntimeError that
+        says so, and the last stage's retry fails as soon as stage 0's process
+        group is gone, well within the process group's timeout."""
+        sched = self._build(schedule, "none")
+        first, fail = self._inject_failures(sched, None)
+        x, y = self._data(0)
+        self._run_step(sched, x, y)
+        fail["armed"] = True
+        if first is None:
+            # Stage 0 sends microbatch 0 and raises before this stage posts
+            # the receive
+            time.sleep(1.0)
+        with self.assertRaises(Exception):
+            self._run_step(sched, x, y)
+        fail["armed"] = False
+        start = time.monotonic()
+        if first is not None:
+            with self.assertRaisesRegex(RuntimeError, "in flight"):
+                self._run_step(sched, x, y)
+        else:
+            with self.assertRaises(RuntimeError):
+                self._run_step(sched, x, y)
+        self.assertLess(time.monotonic() - start, FAST_FAILURE_S)
+
+    def _inject_failures(self, sched, sync):
+        """Make the last stage's loss raise at microbatch 0 and stage 0's
+        forward at microbatch 1 while ``fail["armed"]``; with a ``sync``
+        store, stage 0 raises only after the last stage has received
+        microbatch 0 (so that its send is complete)."""
         loss_fn = sched._loss_fn
-        counter = {"forward": 0, "loss": 0, "armed": False}
+        fail = {"armed": False, "forward": 0, "loss": 0}
 
         def failing_loss(out, target):
-            if counter["armed"] and counter["loss"] == fail_mb:
-                counter["loss"] += 1
+            if fail["armed"]:
+                if sync is not None:
+                    sync.set("received", "1")
                 raise Failure("injected loss failure")
-            counter["loss"] += 1
             return loss_fn(out, target)
 
         def failing_forward_hook(module, args):
-            if counter["armed"] and counter["forward"] == fail_mb + 1:
-                counter["forward"] += 1
+            if not fail["armed"]:
+                fail["forward"] = 0
+                return
+            fail["forward"] += 1
+            if fail["forward"] == 2:
+                fail["forward"] = 0
+                if sync is not None:
+                    sync.wait(["received"])
+                    sync.delete_key("received")
+                    # The last stage received microbatch 0: its send
+                    # completes
+                    time.sleep(0.2)
                 raise Failure("injected forward failure")
-            counter["forward"] += 1
 
         sched._loss_fn = failing_loss
         first = self.modules.get(0)
         if first is not None:
             first.register_forward_pre_hook(failing_forward_hook)
+        return first, fail
 
-        def run(x, y, losses):
-            counter["forward"] = counter["loss"] = 0
-            return self._run_step(sched, x, y, losses=losses)
 
-        results = []
+class TestPipelineStepFailures(_Base):
+    """A failure on one rank: its peer fails as fast as on 2.15.0."""
+
+    process_group_timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @parametrize("schedule", ["1f1b", "gpipe"])
+    @parametrize("dp", ["none", "fsdp"])
+    def test_peer_of_a_rank_that_fails_alone_fails_fast(self, schedule: str, dp: str):
+        """Point 2 of revision 4: the loss raises on the last stage only (a
+        NaN guard, an OOM) and that rank's program ends; the other rank's
+        step raises within FAST_FAILURE_S (2.15.0: "Connection closed by
+        peer" 0.0-0.2 s after the failure; revision 3 waited for the process
+        group timeout, PG_TIMEOUT_S here, because the failed step's send work
+        was kept alive)."""
+        sched = self._build(schedule, dp)
         for it in range(2):
             x, y = self._data(it)
-            if it == 1:
-                counter["armed"] = True
-                if 0 not in self.modules:
-                    # The later stage posts its first receive only after
-                    # stage 0 has sent and raised, so that stage 0's failed
-                    # step leaves a send in flight (gloo transmits a send once
-                    # its peer posts the receive): the retry must not hang
-                    time.sleep(1.0)
-                with self.assertRaises(Exception):
-                    run(x, y, [])
-                counter["armed"] = False
-                for module in self.modules.values():
-                    module.zero_grad(set_to_none=True)
-            losses: list = []
-            run(x, y, losses)
-            results.append(
-                (
-                    [l.detach().clone() for l in losses],
-                    {
-                        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                        for m in self.modules.values()
-                        for n, p in m.named_parameters()
-                        if p.grad is not None
-                    },
-                )
-            )
+            self._run_step(sched, x, y)
             self._reference_grads([(x, y)])
-            self._assert_grads_match(f"{schedule} {where} {dp} step {it}")
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
             self._optimizer_step()
-        # The retried step 1 equals the reference; its losses are complete
+
+        def failing_loss(out, target):
+            raise Failure("injected loss failure on the last stage only")
+
+        sched._loss_fn = failing_loss
+        x, y = self._data(2)
+        start = time.monotonic()
         if self.last in self.modules:
-            self.assertEqual(len(results[1][0]), NUM_MICROBATCHES)
+            with self.assertRaises(Failure):
+                self._run_step(sched, x, y)
+            # This rank's program ends here (run_test destroys its process
+            # group), as a training script that does not catch the error
+            return
+        with self.assertRaises(RuntimeError):
+            self._run_step(sched, x, y)
+        elapsed = time.monotonic() - start
+        self.assertLess(elapsed, FAST_FAILURE_S, msg=f"{schedule} {dp}: {elapsed:.1f} s")
 
 
 class TestPipelineStepWorld1(_Base):
@@ -492,6 +559,69 @@ class TestPipelineStepWorld1(_Base):
         for dp in ("none", "fsdp"):
             for where in ("forward", "loss_mb0", "loss_mb1", "metadata"):
                 self._check(schedule, dp, where)
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_failed_step_after_accumulation_warns(self, schedule: str):
+        """Point 3 of revision 4: step(a, finalize_gradients=False), then a
+        step(b) that raises: clearing the failed step discards a's pending
+        gradients, and the schedule warns that the accumulation must be rerun
+        from its first step (revision 3 discarded them silently; the final
+        gradients were ref(b + c), 2.5e-1 off ref(a + b + c)). Rerunning it
+        after zero_grad() trains with the reference gradients; a failed step
+        with nothing accumulated does not warn."""
+        for dp in ("none", "fsdp"):
+            # A plain stage scales its whole .grad at the end of every step:
+            # it accumulates across steps with scale_grads=False
+            sched = self._build(schedule, dp, scale_grads=dp != "none")
+            loss_fn = sched._loss_fn
+            fail = {"armed": False}
+
+            def reference_grads(batches):
+                self._reference_grads(batches)
+                if dp == "none":
+                    for p_ref in self.reference.parameters():
+                        if p_ref.grad is not None:
+                            p_ref.grad.mul_(NUM_MICROBATCHES)
+
+            def failing_loss(out, target):
+                if fail["armed"]:
+                    raise Failure("injected loss failure")
+                return loss_fn(out, target)
+
+            sched._loss_fn = failing_loss
+            for it in range(2):
+                msg = f"{schedule} {dp} step {it}"
+                a, b, c = (self._data(3 * it + k) for k in range(3))
+                self._run_step(sched, *a, finalize_gradients=False)
+                fail["armed"] = True
+                with self.assertWarnsRegex(UserWarning, "rerun the gradient accumulation", msg=msg):
+                    with self.assertRaises(Failure, msg=msg):
+                        self._run_step(sched, *b, finalize_gradients=False)
+                fail["armed"] = False
+                for module in self.modules.values():
+                    if isinstance(module, FSDPModule):
+                        self.assertFalse(module.has_pending_gradients(), msg=msg)
+                    module.zero_grad(set_to_none=True)
+                self._run_step(sched, *a, finalize_gradients=False)
+                self._run_step(sched, *b)
+                reference_grads([a, b])
+                self._assert_grads_match(msg)
+                self._optimizer_step()
+                fail["armed"] = True
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with self.assertRaises(Failure, msg=msg):
+                        self._run_step(sched, *c)
+                self.assertFalse(
+                    [w for w in caught if "gradient accumulation" in str(w.message)], msg=msg
+                )
+                fail["armed"] = False
+                for module in self.modules.values():
+                    module.zero_grad(set_to_none=True)
+                self._run_step(sched, *c)
+                reference_grads([c])
+                self._assert_grads_match(msg)
+                self._optimizer_step()
 
     def _check(self, schedule: str, dp: str, where: str) -> None:
         msg = f"{schedule} {dp} {where}"
@@ -745,6 +875,7 @@ class TestPipelineSharedParameters(_Base):
 
 
 instantiate_parametrized_tests(TestPipelineSharedParameters)
+instantiate_parametrized_tests(TestPipelineStepFailures)
 instantiate_parametrized_tests(TestPipelineStepHSDP)
 instantiate_parametrized_tests(TestPipelineStepFSDP2)
 instantiate_parametrized_tests(TestPipelineStepWorld2)
