@@ -40,17 +40,30 @@ class TestPipeliningFSDPZeroBubble(GlooMultiProcessTestCase):
     def world_size(self) -> int:
         return 4
 
-    @parametrize("layout", ["fsdp_stage", "container"])
-    def test_zero_bubble_weight_gradients_reshard_after_forward(self, layout: str):
+    def test_zero_bubble_weight_gradients_reshard_after_forward(self):
         """
         Reproducer of a 2.15.0 bug: with a zero-bubble schedule (split input
         and weight backward), FSDP stages whose layers reshard after forward
         (the default) and a plain loss, every gradient equals the reference
         over several optimizer steps (2.15.0 skipped the resharded layers'
-        weights in the weight backward). ``container``: the stage module is a
-        plain ``nn.Module`` whose layer is sharded, the stage itself not
-        (2.15.0 and revision 3: stages 1-3 get no weight or bias gradient).
+        weights in the weight backward).
         """
+        self._train("fsdp_stage")
+
+    def test_zero_bubble_container_stage_raises(self):
+        """
+        Point 4 of revision 4: a stage module that is a plain ``nn.Module``
+        whose layer is sharded (the stage itself not) cannot train with split
+        backward, as each layer is its own FSDP root and reduces before the
+        weight backward (2.15.0 and revision 3: stages 1-3 silently get no
+        weight or bias gradient). The step raises a RuntimeError that says
+        to shard the stage module on the ranks that split their backward; no
+        rank trains on.
+        """
+        with self.assertRaisesRegex(RuntimeError, "fully_shard|Connection closed"):
+            self._train("container")
+
+    def _train(self, layout: str) -> None:
         torch.manual_seed(0)
         ref_model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
         model = copy.deepcopy(ref_model)
