@@ -267,24 +267,6 @@ class TestPipelineStepWorld2(_Base):
             self._assert_grads_match(f"{schedule} step {it}")
             self._optimizer_step()
 
-    @parametrize("dp", ["fsdp", "children"])
-    def test_step_then_eval_keeps_fsdp_gradients(self, dp: str):
-        """Point 6 of revision 4: the gradients of a finished step survive an
-        eval() under no_grad (2.15.0's metadata inference cleanup at the
-        switch to evaluation sets every FSDP gradient to None), for an FSDP
-        stage module and a plain container of FSDP blocks."""
-        sched = self._build("gpipe", dp)
-        for it in range(2):
-            x, y = self._data(it)
-            self._run_step(sched, x, y)
-            self._reference_grads([(x, y)])
-            self._assert_grads_match(f"{dp} step {it}")
-            e = self._data(10 + it)
-            with torch.no_grad():
-                sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
-            self._assert_grads_match(f"{dp} step {it} after eval")
-            self._optimizer_step()
-
     @parametrize("dp", ["none", "fsdp"])
     def test_eval_runs_in_callers_grad_mode(self, dp: str):
         """Finding 4: eval() keeps the caller's grad mode (outputs keep their
