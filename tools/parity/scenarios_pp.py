@@ -234,7 +234,7 @@ NON_V = [s for s, (_, placement) in SCHEDULES.items() if placement != "v"]
 # Stages that are plain containers of FSDP modules, on the schedules without
 # split backward (zero-bubble schedules refuse them with a RuntimeError:
 # test/distributed/pipelining/test_pipelining_fsdp_zero_bubble.py)
-for _sched in NON_V:
+for _sched in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
     register(f"pp.{_sched}.container", functools.partial(_basic, sched=_sched, kind="container"),
              world=_world("container"), timeout=90)
 
