@@ -13,6 +13,7 @@ in ``torch/testing/_internal/common_fsdp.py``.
 
 import collections
 import contextlib
+import datetime
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,10 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
     torch again (about 5 s), and nothing here touches an accelerator.
     """
 
+    # The process group's timeout (``None``: gloo's default of 30 minutes); a
+    # test that checks how fast a rank fails sets a short one
+    process_group_timeout: datetime.timedelta | None = None
+
     @property
     def world_size(self) -> int:
         return 2
@@ -52,6 +57,7 @@ class GlooMultiProcessTestCase(MultiProcessTestCase):
             store=dist.FileStore(file_name, self.world_size),
             rank=rank,
             world_size=self.world_size,
+            timeout=self.process_group_timeout,
         )
         # The ranks share the machine's cores: one intra-op thread each keeps
         # them from oversubscribing it (about 5x faster on two cores)

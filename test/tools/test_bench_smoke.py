@@ -111,6 +111,13 @@ def test_pp_collectives_tiny(results_dir):
     _meta_ok(results_dir / "pp-patched.json", "pp_collectives")
 
 
+def test_pp_host_calls_tiny(results_dir):
+    run(str(BENCH / "pp_host_calls.py"), "--blocks", "2", "--warmup", "1",
+        "--json", str(results_dir / "pp-host-calls-patched.json"))
+    data = _meta_ok(results_dir / "pp-host-calls-patched.json", "pp_host_calls")
+    assert data["results"]["python_calls_per_step"] > data["results"]["python_calls_per_eval"] > 0
+
+
 def test_step_time_tiny(results_dir):
     extra = [] if importlib.util.find_spec("torchtitan") else ["--no-torchtitan"]
     out = run(str(BENCH / "step_time.py"), "--vocab", "64", "--dim", "8", "--layers", "1",

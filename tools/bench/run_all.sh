@@ -165,6 +165,9 @@ step "1b. PP2 x FSDP2, torchtitan's ChunkedLossWrapper as the loss (unpatched)"
 "$PRISTINE" tools/bench/pp_collectives.py "${PP[@]}" --loss torchtitan --json "$B/pp-pristine-torchtitan.json" 2>&1 | filter
 step "1b. PP2 x FSDP2 (patched: partial_backward)"
 "$PATCHED" tools/bench/pp_collectives.py "${PP[@]}" --json "$B/pp-patched.json" 2>&1 | filter
+step "1d. pipeline host cost: Python calls per step and per eval() (unpatched, patched)"
+"$PRISTINE" tools/bench/pp_host_calls.py --json "$B/pp-host-calls-pristine.json" 2>&1 | filter
+"$PATCHED" tools/bench/pp_host_calls.py --json "$B/pp-host-calls-patched.json" 2>&1 | filter
 step "2. step time (patched torch, same run)"
 "$PATCHED" tools/bench/step_time.py "${STEP[@]}" --json "$B/step_time.json" 2>&1 | filter
 step "3. peak memory, chunked vs full logits"

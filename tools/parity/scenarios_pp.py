@@ -1,5 +1,6 @@
 """Pipelining scenarios: every 2.15.0 schedule class with plain, FSDP,
-replicate() and DDP stages (only APIs torch 2.15.0 has)."""
+replicate() and DDP stages, and stages that are plain containers of FSDP
+modules (only APIs torch 2.15.0 has)."""
 
 import functools
 
@@ -132,12 +133,15 @@ class Pipeline:
 
     # ---- construction
     def _wrap(self, mod, kind, last):
-        if kind == "fsdp":
+        if kind in ("fsdp", "container"):
             for layer in mod.layers:
                 fully_shard(layer, mesh=self.dp_mesh)
             if last:
                 fully_shard(mod.head, mesh=self.dp_mesh)
-            fully_shard(mod, mesh=self.dp_mesh)
+            if kind == "fsdp":
+                fully_shard(mod, mesh=self.dp_mesh)
+            # "container": the stage module stays a plain module holding FSDP
+            # modules (fully_shard per block, the stage left unwrapped)
         elif kind == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -226,6 +230,15 @@ def _world(kind, pp=2):
     return pp if kind == "plain" else 2 * pp
 
 
+NON_V = [s for s, (_, placement) in SCHEDULES.items() if placement != "v"]
+# Stages that are plain containers of FSDP modules, on the schedules without
+# split backward (zero-bubble schedules refuse them with a RuntimeError:
+# test/distributed/pipelining/test_pipelining_fsdp_zero_bubble.py)
+for _sched in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
+    register(f"pp.{_sched}.container", functools.partial(_basic, sched=_sched, kind="container"),
+             world=_world("container"), timeout=90)
+
+
 for _sched in SCHEDULES:
     for _kind in KINDS:
         register(f"pp.{_sched}.{_kind}", functools.partial(_basic, sched=_sched, kind=_kind), world=_world(_kind),
@@ -255,11 +268,12 @@ def _no_finalize(ctx, sched, kind, eval_between=False):
         p.optim_step()
 
 
-for _sched, _kind in [(s, k) for s in CORE for k in ("plain", "fsdp")] + [("1f1b", "ddp")]:
+for _sched, _kind in ([(s, k) for s in CORE for k in ("plain", "fsdp")] + [("1f1b", "ddp")]
+                      + [(s, "container") for s in NON_V_CORE]):
     register(f"pp.{_sched}.{_kind}.no_finalize_accumulation",
              functools.partial(_no_finalize, sched=_sched, kind=_kind), world=_world(_kind))
 for _sched in NON_V_CORE:
-    for _kind in ("plain", "fsdp"):
+    for _kind in ("plain", "fsdp", "container"):
         register(f"pp.{_sched}.{_kind}.no_finalize_eval_step",
                  functools.partial(_no_finalize, sched=_sched, kind=_kind, eval_between=True), world=_world(_kind))
 
@@ -278,9 +292,8 @@ def _eval_around(ctx, sched, kind, **kw):
 # Not the V-shaped schedules (zbv, dualpipev): their eval() fails on 2.15.0
 # ("can't steal_bwd_input if this stage doesn't have backward") and then hangs
 # until the gloo timeout, on every torch.
-NON_V = [s for s, (_, placement) in SCHEDULES.items() if placement != "v"]
 for _sched in NON_V:
-    for _kind in ("plain", "fsdp"):
+    for _kind in ("plain", "fsdp", "container"):
         register(f"pp.{_sched}.{_kind}.eval_before_between_after",
                  functools.partial(_eval_around, sched=_sched, kind=_kind), world=_world(_kind))
 
@@ -411,7 +424,7 @@ def _single_stage_error_retry(ctx, sched, kind, where):
 
 
 for _sched in ("1f1b",):
-    for _kind in KINDS:
+    for _kind in (*KINDS, "container"):
         for _where in ("forward", "loss"):
             register(f"pp1.{_sched}.{_kind}.{_where}_error_retry",
                      functools.partial(_single_stage_error_retry, sched=_sched, kind=_kind, where=_where), world=2)

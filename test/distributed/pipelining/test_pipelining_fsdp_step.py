@@ -9,12 +9,15 @@ several optimizer steps.
 """
 
 import copy
+import datetime
 import os
 import sys
 import time
+import warnings
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -47,6 +50,12 @@ NUM_MICROBATCHES = 4
 MICROBATCH_SIZE = 2
 BATCH = NUM_MICROBATCHES * MICROBATCH_SIZE
 LR = 0.1
+# A process group timeout short enough that a hang fails the test quickly,
+# and the time within which a rank must fail after its peer failed
+PG_TIMEOUT_S = 20
+FAST_FAILURE_S = 5.0
+# The last stage raises in its third loss call (microbatch 2)
+FAIL_AT_LOSS = 3
 
 # name: (schedule class, stages per rank)
 SCHEDULES = {
@@ -398,82 +407,153 @@ class TestPipelineStepWorld2(_Base):
             self._optimizer_step()
 
     @parametrize("schedule", ["gpipe", "1f1b"])
-    @parametrize("where", ["loss_mb0", "loss_mb1"])
     @parametrize("dp", ["none", "fsdp"])
-    def test_retry_after_failure_every_rank(self, schedule: str, where: str, dp: str):
+    def test_retry_after_failure_every_rank(self, schedule: str, dp: str):
         """Findings 5 and 6 across ranks: the last stage's loss raises at
-        microbatch m and stage 0's forward at microbatch m + 1, so that each
-        rank raises without waiting for the other, with a send of stage 0's
-        still in flight; after zero_grad() the retry trains with the
-        reference gradients and returns every loss. (The multi-stage
-        schedules refuse such a retry with 2.15.0's "receive buffer still
-        owned" error.) The single-rank test below covers every schedule
-        bitwise."""
-        self._check_retry(schedule, where, dp)
-
-    def _check_retry(self, schedule: str, where: str, dp: str) -> None:
+        microbatch 0 and stage 0's forward at microbatch 1, after the last
+        stage has received microbatch 0, so that each rank raises with none
+        of the step's sends or receives in flight; after zero_grad() the retry
+        trains with the reference gradients and returns every loss. The
+        single-rank test below covers every schedule bitwise."""
         sched = self._build(schedule, dp)
-        fail_mb = int(where[-1])
+        sync = dist.FileStore(f"{self.file_name}.sync", self.world_size)
+        first, fail = self._inject_failures(sched, sync)
+        for it in range(2):
+            x, y = self._data(it)
+            if it == 1:
+                fail["armed"] = True
+                # GPipe wraps a forward's error in a RuntimeError
+                with self.assertRaises(Exception):
+                    self._run_step(sched, x, y, losses=[])
+                fail["armed"] = False
+                for module in self.modules.values():
+                    module.zero_grad(set_to_none=True)
+            losses: list = []
+            self._run_step(sched, x, y, losses=losses)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
+            self._optimizer_step()
+            if self.last in self.modules:
+                self.assertEqual(len(losses), NUM_MICROBATCHES)
+
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    def test_retry_refused_after_failure_with_p2p_in_flight(self, schedule: str):
+        """Point 2 of revision 4: when stage 0 raises with a send that the last
+        stage has not received yet, the retry must not run (it would hang, or
+        match the stale operation): stage 0's retry raises a RuntimeError that
+        says so, and the last stage's retry fails as soon as stage 0's process
+        group is gone, well within the process group's timeout."""
+        sched = self._build(schedule, "none")
+        first, fail = self._inject_failures(sched, None)
+        x, y = self._data(0)
+        self._run_step(sched, x, y)
+        fail["armed"] = True
+        if first is None:
+            # Stage 0 sends microbatch 0 and raises before this stage posts
+            # the receive
+            time.sleep(1.0)
+        with self.assertRaises(Exception):
+            self._run_step(sched, x, y)
+        fail["armed"] = False
+        start = time.monotonic()
+        if first is not None:
+            with self.assertRaisesRegex(RuntimeError, "in flight"):
+                self._run_step(sched, x, y)
+        else:
+            with self.assertRaises(RuntimeError):
+                self._run_step(sched, x, y)
+        self.assertLess(time.monotonic() - start, FAST_FAILURE_S)
+
+    def _inject_failures(self, sched, sync):
+        """Make the last stage's loss raise at microbatch 0 and stage 0's
+        forward at microbatch 1 while ``fail["armed"]``; with a ``sync``
+        store, stage 0 raises only after the last stage has received
+        microbatch 0 (so that its send is complete)."""
         loss_fn = sched._loss_fn
-        counter = {"forward": 0, "loss": 0, "armed": False}
+        fail = {"armed": False, "forward": 0, "loss": 0}
 
         def failing_loss(out, target):
-            if counter["armed"] and counter["loss"] == fail_mb:
-                counter["loss"] += 1
+            if fail["armed"]:
+                if sync is not None:
+                    sync.set("received", "1")
                 raise Failure("injected loss failure")
-            counter["loss"] += 1
             return loss_fn(out, target)
 
         def failing_forward_hook(module, args):
-            if counter["armed"] and counter["forward"] == fail_mb + 1:
-                counter["forward"] += 1
+            if not fail["armed"]:
+                fail["forward"] = 0
+                return
+            fail["forward"] += 1
+            if fail["forward"] == 2:
+                fail["forward"] = 0
+                if sync is not None:
+                    sync.wait(["received"])
+                    sync.delete_key("received")
+                    # The last stage received microbatch 0: its send
+                    # completes
+                    time.sleep(0.2)
                 raise Failure("injected forward failure")
-            counter["forward"] += 1
 
         sched._loss_fn = failing_loss
         first = self.modules.get(0)
         if first is not None:
             first.register_forward_pre_hook(failing_forward_hook)
+        return first, fail
 
-        def run(x, y, losses):
-            counter["forward"] = counter["loss"] = 0
-            return self._run_step(sched, x, y, losses=losses)
 
-        results = []
+class TestPipelineStepFailures(_Base):
+    """A failure on one rank: its peer fails as fast as on 2.15.0."""
+
+    process_group_timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @parametrize("schedule", ["1f1b", "gpipe"])
+    @parametrize("dp", ["none", "fsdp"])
+    def test_peer_of_a_rank_that_fails_alone_fails_fast(self, schedule: str, dp: str):
+        """Point 2 of revision 4: the loss raises on the last stage only (a
+        NaN guard, an OOM) and that rank's program ends; the other rank's
+        step raises within FAST_FAILURE_S, as on 2.15.0 ("Connection closed
+        by peer" 0.0-0.2 s after the failure), well within the process group
+        timeout (PG_TIMEOUT_S). Revision 3 kept the failed step's P2P work
+        alive, which the review measured as a wait for the whole timeout;
+        this test passes on 2.15.0, revision 3 and revision 4 on this machine
+        (the wait did not reproduce here), and guards the fast failure. A
+        failed rank that stays alive keeps its peers waiting for the timeout
+        on 2.15.0 too."""
+        sched = self._build(schedule, dp)
         for it in range(2):
             x, y = self._data(it)
-            if it == 1:
-                counter["armed"] = True
-                if 0 not in self.modules:
-                    # The later stage posts its first receive only after
-                    # stage 0 has sent and raised, so that stage 0's failed
-                    # step leaves a send in flight (gloo transmits a send once
-                    # its peer posts the receive): the retry must not hang
-                    time.sleep(1.0)
-                with self.assertRaises(Exception):
-                    run(x, y, [])
-                counter["armed"] = False
-                for module in self.modules.values():
-                    module.zero_grad(set_to_none=True)
-            losses: list = []
-            run(x, y, losses)
-            results.append(
-                (
-                    [l.detach().clone() for l in losses],
-                    {
-                        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                        for m in self.modules.values()
-                        for n, p in m.named_parameters()
-                        if p.grad is not None
-                    },
-                )
-            )
+            self._run_step(sched, x, y)
             self._reference_grads([(x, y)])
-            self._assert_grads_match(f"{schedule} {where} {dp} step {it}")
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
             self._optimizer_step()
-        # The retried step 1 equals the reference; its losses are complete
+
+        loss_fn, calls = sched._loss_fn, [0]
+
+        def failing_loss(out, target):
+            calls[0] += 1
+            if calls[0] == FAIL_AT_LOSS:
+                raise Failure("injected loss failure on the last stage only")
+            return loss_fn(out, target)
+
+        sched._loss_fn = failing_loss
+        x, y = self._data(2)
+        start = time.monotonic()
         if self.last in self.modules:
-            self.assertEqual(len(results[1][0]), NUM_MICROBATCHES)
+            with self.assertRaises(Failure):
+                self._run_step(sched, x, y)
+            # This rank's program ends here, as a training script that does
+            # not catch the error; the schedule stays referenced until the
+            # process group is destroyed (run_test) and the process exits
+            self.schedule = sched
+            return
+        with self.assertRaises(RuntimeError):
+            self._run_step(sched, x, y)
+        elapsed = time.monotonic() - start
+        self.assertLess(elapsed, FAST_FAILURE_S, msg=f"{schedule} {dp}: {elapsed:.1f} s")
 
 
 class TestPipelineStepWorld1(_Base):
@@ -492,6 +572,69 @@ class TestPipelineStepWorld1(_Base):
         for dp in ("none", "fsdp"):
             for where in ("forward", "loss_mb0", "loss_mb1", "metadata"):
                 self._check(schedule, dp, where)
+
+    @parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+    def test_failed_step_after_accumulation_warns(self, schedule: str):
+        """Point 3 of revision 4: step(a, finalize_gradients=False), then a
+        step(b) that raises: clearing the failed step discards a's pending
+        gradients, and the schedule warns that the accumulation must be rerun
+        from its first step (revision 3 discarded them silently; the final
+        gradients were ref(b + c), 2.5e-1 off ref(a + b + c)). Rerunning it
+        after zero_grad() trains with the reference gradients; a failed step
+        with nothing accumulated does not warn."""
+        for dp in ("none", "fsdp"):
+            # A plain stage scales its whole .grad at the end of every step:
+            # it accumulates across steps with scale_grads=False
+            sched = self._build(schedule, dp, scale_grads=dp != "none")
+            loss_fn = sched._loss_fn
+            fail = {"armed": False}
+
+            def reference_grads(batches):
+                self._reference_grads(batches)
+                if dp == "none":
+                    for p_ref in self.reference.parameters():
+                        if p_ref.grad is not None:
+                            p_ref.grad.mul_(NUM_MICROBATCHES)
+
+            def failing_loss(out, target):
+                if fail["armed"]:
+                    raise Failure("injected loss failure")
+                return loss_fn(out, target)
+
+            sched._loss_fn = failing_loss
+            for it in range(2):
+                msg = f"{schedule} {dp} step {it}"
+                a, b, c = (self._data(3 * it + k) for k in range(3))
+                self._run_step(sched, *a, finalize_gradients=False)
+                fail["armed"] = True
+                with self.assertWarnsRegex(UserWarning, "rerun the gradient accumulation", msg=msg):
+                    with self.assertRaises(Failure, msg=msg):
+                        self._run_step(sched, *b, finalize_gradients=False)
+                fail["armed"] = False
+                for module in self.modules.values():
+                    if isinstance(module, FSDPModule):
+                        self.assertFalse(module.has_pending_gradients(), msg=msg)
+                    module.zero_grad(set_to_none=True)
+                self._run_step(sched, *a, finalize_gradients=False)
+                self._run_step(sched, *b)
+                reference_grads([a, b])
+                self._assert_grads_match(msg)
+                self._optimizer_step()
+                fail["armed"] = True
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with self.assertRaises(Failure, msg=msg):
+                        self._run_step(sched, *c)
+                self.assertFalse(
+                    [w for w in caught if "gradient accumulation" in str(w.message)], msg=msg
+                )
+                fail["armed"] = False
+                for module in self.modules.values():
+                    module.zero_grad(set_to_none=True)
+                self._run_step(sched, *c)
+                reference_grads([c])
+                self._assert_grads_match(msg)
+                self._optimizer_step()
 
     def _check(self, schedule: str, dp: str, where: str) -> None:
         msg = f"{schedule} {dp} {where}"
@@ -653,6 +796,146 @@ class TestPipelineStepFSDP2(_Base):
 
 
 
+class TiedStageModule(nn.Module):
+    """Two blocks and a ``shared`` layer that the forward applies last; the
+    builder ties ``shared`` across stages placed on the same rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.shared = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(x)
+        return x + torch.tanh(self.shared(x))
+
+
+class TestPipelineSharedParameters(_Base):
+    """Four stages on two ranks; stage s and stage s + 2 (on the same rank)
+    share one ``shared`` layer (tied weights)."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _build_tied(self, schedule: str, dp: str, tie: bool = True, scale_grads: bool = False):
+        schedule_cls, per_rank = SCHEDULES[schedule]
+        pp_size, pp_rank, pp_group, mesh = self._meshes(dp)
+        num_stages = pp_size * per_rank
+        torch.manual_seed(0)
+        reference = nn.ModuleList([TiedStageModule() for _ in range(num_stages)])
+        for idx in range(pp_size, num_stages if tie else 0):
+            reference[idx].shared = reference[idx - pp_size].shared
+        # One copy of the whole model keeps the ties
+        model = copy.deepcopy(reference)
+        stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
+        stages, modules = [], {}
+        for idx in stage_ids:
+            module = model[idx]
+            if dp != "none":
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+            if dp == "fsdp":
+                # A tied layer stays out of FSDP: each stage module is its own
+                # FSDP root and cannot shard a parameter another root holds;
+                # untied, it is in the root's group
+                ignored = set(module.shared.parameters()) if tie else None
+                fully_shard(module, mesh=mesh, ignored_params=ignored)
+            modules[idx] = module
+            stages.append(
+                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
+            )
+        self.modules, self.reference, self.last = modules, reference, num_stages - 1
+        self.aux_loss = False
+        target = stages if per_rank > 1 else stages[0]
+        return schedule_cls(target, NUM_MICROBATCHES, loss_fn=F.mse_loss, scale_grads=scale_grads)
+
+    def _tied_grads(self) -> list:
+        tied = self.modules[self.rank].shared
+        return [None if p.grad is None else p.grad.clone() for p in tied.parameters()]
+
+    @parametrize("schedule", ["interleaved_1f1b", "looped_bfs"])
+    @parametrize("dp", ["none", "fsdp", "children"])
+    def test_eval_keeps_shared_parameter_gradients(self, schedule: str, dp: str):
+        """Point 1 of revision 4: step(a), eval(e), step(b) with
+        scale_grads=False accumulates ref(a + b) into every parameter,
+        including one that two stages of this rank share: metadata inference
+        (run again at the switch to eval and back) leaves the shared gradient
+        exactly as it found it. (Revision 3: the tied gradient was None after
+        the eval and the final one off by 2e-1.)"""
+        sched = self._build_tied(schedule, dp)
+        for it in range(2):
+            a, e, b = self._data(3 * it), self._data(3 * it + 1), self._data(3 * it + 2)
+            self._run_step(sched, *a)
+            before = self._tied_grads()
+            self.assertTrue(all(g is not None for g in before))
+            with torch.no_grad():
+                if self.rank == 0:
+                    sched.eval(e[0])
+                else:
+                    sched.eval(target=e[1])
+            after = self._tied_grads()
+            for g_before, g_after in zip(before, after):
+                self.assertIsNotNone(g_after, msg=f"{schedule} {dp} step {it}")
+                self.assertTrue(torch.equal(g_before, g_after), msg=f"{schedule} {dp} step {it}")
+            self._run_step(sched, *b)
+            self._reference_grads([a, b])
+            for p_ref in self.reference.parameters():
+                if p_ref.grad is not None:
+                    # scale_grads=False: the sum over the microbatches
+                    p_ref.grad.mul_(NUM_MICROBATCHES)
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
+            self._optimizer_step()
+
+
+    @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+    @parametrize("dp", ["fsdp", "children"])
+    def test_eval_between_accumulation_steps(self, schedule: str, dp: str):
+        """Point 7 of revision 4: step(a, finalize_gradients=False), eval(e),
+        step(b) accumulates ref(a + b), for an FSDP stage (also in the FSDP
+        root's group, whose
+        unsharded parameters stay registered between the steps) and a plain
+        container of FSDP blocks (2.15.0 and revision 3: eval() of GPipe and
+        1F1B scaled every registered .grad by
+        1/n_microbatches, losing 3/4 of a's gradient there, max error 2.8e-1
+        in a one-stage GPipe)."""
+        # A container stage is not an FSDP stage for the schedule: each step
+        # scales its .grad, so it accumulates across steps only with
+        # scale_grads=False (as a plain stage, on 2.15.0 too)
+        scale_grads = dp == "fsdp"
+        sched = self._build_tied(schedule, dp, tie=False, scale_grads=scale_grads)
+        for it in range(2):
+            a, e, b = self._data(3 * it), self._data(3 * it + 1), self._data(3 * it + 2)
+            self._run_step(sched, *a, finalize_gradients=False)
+            with torch.no_grad():
+                sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
+            self._run_step(sched, *b)
+            self._reference_grads([a, b])
+            if not scale_grads:
+                for p_ref in self.reference.parameters():
+                    if p_ref.grad is not None:
+                        p_ref.grad.mul_(NUM_MICROBATCHES)
+            self._assert_grads_match(f"{schedule} {dp} step {it}")
+            self._optimizer_step()
+
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    def test_eval_after_step_leaves_plain_gradients(self, schedule: str):
+        """Point 7 of revision 4: eval() between a step and the optimizer
+        step leaves a plain stage's gradients as they were (2.15.0 and
+        revision 3 divided them by n_microbatches)."""
+        sched = self._build_tied(schedule, "none", tie=False, scale_grads=True)
+        for it in range(2):
+            x, y = self._data(2 * it)
+            self._run_step(sched, x, y)
+            e = self._data(2 * it + 1)
+            with torch.no_grad():
+                sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} step {it}")
+            self._optimizer_step()
+
+instantiate_parametrized_tests(TestPipelineSharedParameters)
+instantiate_parametrized_tests(TestPipelineStepFailures)
 instantiate_parametrized_tests(TestPipelineStepHSDP)
 instantiate_parametrized_tests(TestPipelineStepFSDP2)
 instantiate_parametrized_tests(TestPipelineStepWorld2)
