@@ -72,7 +72,7 @@ def _pp_layout(rng: random.Random, oracle: str) -> dict:
     placement = PP_SCHEDULES[schedule]
     kind = rng.choice(["plain", "plain", "fsdp", "container"])
     if oracle == "a" and schedule in ZERO_BUBBLE and kind == "fsdp":
-        # 2.15.0 computes no weight gradient there: an allowlisted difference (0006)
+        # 2.15.0 computes no weight gradient there: an allowlisted difference (0014)
         kind = "container"
     shared = "none"
     if kind == "plain" and rng.random() < 0.5:
