@@ -278,6 +278,34 @@ for _sched in NON_V_CORE:
                  functools.partial(_no_finalize, sched=_sched, kind=_kind, eval_between=True), world=_world(_kind))
 
 
+def _train_eval_sequence(ctx, sched, kind):
+    """step, step(finalize_gradients=False) + step, eval + step, step + eval,
+    step, each followed by an optimizer step (the sequence of
+    test/distributed/pipelining/test_pipelining_fsdp_container.py)."""
+    p = Pipeline(ctx, sched, kind, scale_grads=False)
+    p.step()
+    p.optim_step()
+    p.step(finalize_gradients=False)
+    p.step()
+    p.optim_step()
+    p.step(eval_mode=True, data_step=70)
+    p.step()
+    p.optim_step()
+    p.step()
+    p.step(eval_mode=True, data_step=71)  # between a step and its optimizer step
+    p.optim_step()
+    p.step()
+    p.optim_step()
+
+
+# Stages that are plain containers of FSDP modules, on the schedules without
+# split backward; scale_grads=False (a container stage is a plain stage for the
+# schedule, whose gradients accumulate unscaled across finalize_gradients=False)
+for _sched in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
+    register(f"pp.{_sched}.container.train_eval_sequence",
+             functools.partial(_train_eval_sequence, sched=_sched, kind="container"), world=_world("container"))
+
+
 def _eval_around(ctx, sched, kind, **kw):
     p = Pipeline(ctx, sched, kind, **kw)
     p.step(eval_mode=True, data_step=60)  # before any training step
