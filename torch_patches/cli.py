@@ -120,7 +120,8 @@ def cmd_export(args) -> int:
     results = ex.load_results(args.results)
     groups = ex.group_series(series)
     stack = sc.for_export(series, groups, repo, args.output, args.check_stack, args.stack_results,
-                          "python -m torch_patches " + " ".join(sys.argv[1:]), progress=_progress)
+                          "python -m torch_patches " + " ".join(sys.argv[1:]),
+                          recheck=args.recheck.split(",") if args.recheck else None, progress=_progress)
     if args.run_tests:
         results_file = Path(args.results or Path(args.output) / "test-results.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
@@ -370,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stack-results", metavar="FILE", help="where --check-stack writes its results; without "
                    "--check-stack, earlier results to show in each PR.md (a PR whose patches or tests changed "
                    "since is shown as stale)")
+    p.add_argument("--recheck", metavar="PR[,PR...]", help="with --check-stack: check only these PRs (their "
+                   "directory names, e.g. 203177,new-0015) and keep the other PRs' results from --stack-results")
     p.set_defaults(func=cmd_export)
     p = verb(
         "torchtitan", "apply/revert/status/export the torchtitan consumer series",

@@ -69,6 +69,8 @@ class PRResult:
     returncode: Optional[int] = None  # None: nothing to run (no tests mapped)
     failing: List[str] = field(default_factory=list)  # test ids, at most MAX_FAILING
     note: str = ""
+    recorded: str = ""  # when, and the command that checked it (a --recheck keeps the others')
+    command: str = ""
 
     @property
     def ok(self) -> bool:
@@ -265,38 +267,47 @@ def check_pr(series: Series, venv: PristineVenv, result: PRResult, repo: Path, s
 
 
 def check_stack(series: Series, groups: List[Group], repo: Path, venv: PristineVenv, command: str,
-                only: Optional[List[str]] = None, timeout: float = TIMEOUT,
-                progress: Callable[[str], None] = lambda _msg: None) -> StackCheck:
-    """Check every PR of the stack (or the PR keys in ``only``), in stack order."""
+                only: Optional[List[str]] = None, earlier: Optional[StackCheck] = None,
+                timeout: float = TIMEOUT, progress: Callable[[str], None] = lambda _msg: None) -> StackCheck:
+    """Check every PR of the stack in stack order, or only the PR keys in ``only``
+    (the other PRs keep their results from ``earlier``, if it has them)."""
     plan = pr_plan(series, groups, repo)
+    unknown = sorted(set(only or ()) - {pr.key for pr in plan})
+    if unknown:
+        raise TorchPatchesError(f"--recheck {','.join(unknown)}: no such PR in the stack; its PRs are "
+                                + ", ".join(pr.key for pr in plan))
     todo = [pr for pr in plan if only is None or pr.key in only]
+    recorded = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # The copies go next to the venv: hard links need the same file system.
     with tempfile.TemporaryDirectory(prefix=f".{venv.root.name}-stack-", dir=venv.root.parent) as tmp:
         for n, pr in enumerate(todo, 1):
             what = f"{len(pr.tests)} test file(s)" if pr.tests else "no tests"
             progress(f"[{n}/{len(todo)}] {pr.key}: patches 1..{pr.upto} "
                      f"({series.patches[pr.upto - 1].name[:4]}), {what} ...")
+            pr.recorded, pr.command = recorded, command
             check_pr(series, venv, pr, repo, Path(tmp), timeout)
             progress(f"[{n}/{len(todo)}] {pr.key}: {pr.summary()}")
             for test_id in pr.failing:
                 progress(f"    failed: {test_id}")
-    recorded = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    kept = earlier.by_key() if earlier is not None else {}
+    prs = [pr if only is None or pr.key in only else kept[pr.key] for pr in plan
+           if only is None or pr.key in only or pr.key in kept]
     return StackCheck(command, recorded, f"torch {series.base.version} ({series.base.git_version[:12]})",
-                      series.revision, todo)
+                      series.revision, prs)
 
 
 def test_plan_lines(pr: PRResult, check: StackCheck, current_digest: str) -> List[str]:
     """The ``## Test Plan`` paragraph of one PR."""
     if pr.digest != current_digest:
-        return [f"**Stack check stale:** the result recorded {check.recorded} was for other bytes of "
+        return [f"**Stack check stale:** the result recorded {pr.recorded or check.recorded} was for other bytes of "
                 "this PR's patches, the ones below it, or its test files; re-run "
                 "`torch-patches export --check-stack VENV`.", ""]
     tests = " ".join(pr.tests)
-    lines = [f"Stack check ({check.recorded}): {check.base} with only this PR and the ones below it "
+    lines = [f"Stack check ({pr.recorded or check.recorded}): {check.base} with only this PR and the ones below it "
              f"(patches 1-{pr.upto} of series revision {check.revision}), "
              + (f"`pytest {tests}` from the torch-fsdp-lifecycle checkout: **{pr.summary()}**."
                 if pr.tests else f"{pr.summary()}.")]
-    lines += [f"Made by `{check.command}`.", ""]
+    lines += [f"Made by `{pr.command or check.command}`.", ""]
     if pr.failing:
         lines += ["Failing:", ""] + [f"- `{t}`" for t in pr.failing] + [""]
     return lines
@@ -314,13 +325,18 @@ def test_plans(check: StackCheck, series: Series, groups: List[Group], repo: Pat
 
 
 def for_export(series: Series, groups: List[Group], repo: Path, out: os.PathLike, check_venv: Optional[str],
-               results_file: Optional[os.PathLike], command: str,
+               results_file: Optional[os.PathLike], command: str, recheck: Optional[List[str]] = None,
                progress: Callable[[str], None] = lambda _msg: None) -> Optional[StackCheck]:
     """What ``export`` shows in the Test Plans: a new check with the pristine venv
     ``check_venv`` (its inputs and ``out`` checked first, so that bad input
-    changes nothing), else the results in ``results_file``, else nothing."""
+    changes nothing; with ``recheck``, only those PRs, the others' results kept
+    from ``results_file``), else the results in ``results_file``, else nothing."""
+    if recheck and not check_venv:
+        raise TorchPatchesError("--recheck needs --check-stack VENV")
     if check_venv:
         venv = pristine_venv(check_venv, series)
         check_out(out)
-        return check_stack(series, groups, repo, venv, command, progress=progress)
+        kept = Path(results_file or Path(out) / RESULTS_NAME)
+        earlier = StackCheck.load(kept) if recheck and kept.is_file() else None
+        return check_stack(series, groups, repo, venv, command, only=recheck, earlier=earlier, progress=progress)
     return StackCheck.load(results_file) if results_file else None

@@ -105,6 +105,23 @@ def test_each_pr_runs_its_tests_with_only_the_prs_below_it(series, repo, venv, t
     assert "**Stack check stale:**" in (out / "203176" / "PR.md").read_text()
 
 
+def test_recheck_runs_only_the_named_prs_and_keeps_the_others(series, repo, venv, tmp_path):
+    out = tmp_path / "upstream"
+    run_cli("export", "-o", out, "--series", series, "--repo", repo, "--check-stack", venv, check=0)
+    first = json.loads((out / "stack-check.json").read_text())
+    (repo / LIFECYCLE_TEST).write_text(LATER + "\n\ndef test_more():\n    pass\n")
+    proc = run_cli("export", "-o", out, "--series", series, "--repo", repo, "--check-stack", venv,
+                   "--recheck", "203176", check=0)
+    assert "[1/1] 203176: 2 tests, 2 passed" in proc.stdout and "] 203177:" not in proc.stdout
+    second = json.loads((out / "stack-check.json").read_text())
+    assert second["prs"][0] == first["prs"][0]  # kept as recorded, with its own command
+    assert second["prs"][1]["run"] == 2 and "--recheck 203176" in second["prs"][1]["command"]
+    assert "**Stack check stale:**" not in (out / "203176" / "PR.md").read_text()
+    proc = run_cli("export", "-o", out, "--series", series, "--repo", repo, "--check-stack", venv,
+                   "--recheck", "203999", check=1)
+    assert "--recheck 203999: no such PR in the stack; its PRs are 203177, 203176" in proc.stderr
+
+
 def test_a_test_that_needs_a_later_pr_fails_its_pr(series, repo, venv, tmp_path):
     (repo / POLICY_TEST).write_text(TESTS + "\n\n" + LATER.split("\n\n\n", 1)[1])
     out = tmp_path / "upstream"
