@@ -290,6 +290,8 @@ def check_stack(series: Series, groups: List[Group], repo: Path, venv: PristineV
             for test_id in pr.failing:
                 progress(f"    failed: {test_id}")
     kept = earlier.by_key() if earlier is not None else {}
+    for pr in kept.values():  # a kept result names the run that made it
+        pr.recorded, pr.command = pr.recorded or earlier.recorded, pr.command or earlier.command
     prs = [pr if only is None or pr.key in only else kept[pr.key] for pr in plan
            if only is None or pr.key in only or pr.key in kept]
     return StackCheck(command, recorded, f"torch {series.base.version} ({series.base.git_version[:12]})",

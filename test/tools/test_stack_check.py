@@ -96,6 +96,7 @@ def test_each_pr_runs_its_tests_with_only_the_prs_below_it(series, repo, venv, t
     assert "with only this PR and the ones below it (patches 1-1 of series revision" in plan
     assert f"`pytest {POLICY_TEST}`" in plan and "**2 tests, 2 passed, 0 failed, 0 skipped in" in plan
     assert "Made by `python -m torch_patches export" in plan
+    assert "Not run by the export" not in plan  # the stack check ran it
 
     # The committed results are shown again without re-running; changed test bytes are stale.
     (repo / LIFECYCLE_TEST).write_text(LATER + "\n")
