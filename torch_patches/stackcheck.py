@@ -239,6 +239,10 @@ def _pytest(python: Path, tests: List[str], repo: Path, xml_path: Path, timeout:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return -signal.SIGKILL
+        except BaseException:  # Ctrl-C: its own session would not see it; leave nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
 
 
 def check_pr(series: Series, venv: PristineVenv, result: PRResult, repo: Path, scratch: Path,
