@@ -46,7 +46,8 @@ def cmd_status(args) -> int:
 def cmd_apply(args) -> int:
     from . import ops
     target = _target(args)
-    print(ops.apply(target, _series(args, target)))
+    series = _series(args, target)
+    print(ops.apply(target, series.upto(args.upto) if args.upto is not None else series))
     return 0
 
 
@@ -110,30 +111,41 @@ def cmd_fetch(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
+    from . import stackcheck as sc
     from .upstream import export as ex
     from .targets.pristine import pristine_base_files
     from .upstream.onto import check_onto
     series = _series(args)
     repo = Path(args.repo).resolve()
     results = ex.load_results(args.results)
+    groups = ex.group_series(series)
+    stack = sc.for_export(series, groups, repo, args.output, args.check_stack, args.stack_results,
+                          "python -m torch_patches " + " ".join(sys.argv[1:]),
+                          recheck=args.recheck.split(",") if args.recheck else None, progress=_progress)
     if args.run_tests:
         results_file = Path(args.results or Path(args.output) / "test-results.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
                                progress=_progress)
-    base_files = pristine_base_files(series, args.python, args.source, ex.base_prefixes(series),
-                                     ex.docs_source_files(series))
-    result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress)
+    base_files = pristine_base_files(series, args.python or args.check_stack, args.source,
+                                     ex.base_prefixes(series), ex.docs_source_files(series))
+    result = ex.export(series, base_files, args.output, repo, results=results, progress=_progress,
+                       stack_lines=sc.test_plans(stack, series, groups, repo) if stack else None)
     for warning in result.warnings:
         print(f"warning: {warning}")
     print(f"export: {len(result.order)} patch(es) for {len(result.groups)} PR(s) -> {result.out} "
           f"(apply in the order of {result.out / 'series'})")
+    status = 0
+    if args.check_stack:
+        stack_file = Path(args.stack_results or result.out / sc.RESULTS_NAME)
+        stack.write(stack_file)
+        print(stack.describe(stack_file))
+        status = 0 if stack.ok else 1
     if args.onto:
         lines, ok = check_onto(result.out, Path(args.onto))
         print("\n".join(lines))
-        if not ok:
-            return 1
-    return 0
+        status = status or (0 if ok else 1)
+    return status
 
 
 def cmd_torchtitan(args) -> int:
@@ -289,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
              "the dist-info records the series and the pristine bytes (for revert). Applied twice, it\n"
              "says so; over an older series revision it upgrades in one step.", _epilog())
     target_args(p)
+    p.add_argument("--upto", metavar="N", type=int, help="apply only the first N patches (the series as far "
+                   "as one PR of the exported stack); revert and a later apply work as for the whole series")
     p.set_defaults(func=cmd_apply)
     p = verb("revert", "restore the pristine files and RECORD",
              "Restore the files and RECORD that apply replaced, byte for byte, from the marker apply\n"
@@ -334,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Write the series as a pytorch/pytorch PR stack: one directory per tracker issue with its\n"
              "git format-patch files and PR.md, and a `series` file with the order to apply them.\n"
              f"The pristine base files come from --python's {pinned} (and --source for docs/).",
-             _epilog((0, 1, 2), c1="error, or --onto: the export does not apply to TREE (the output names the patch)"))
+             _epilog((0, 1, 2), c1="error; --onto: the export does not apply to TREE (the output names the "
+                               "patch); --check-stack: a PR fails its tests on its own"))
     p.add_argument("-o", "--output", metavar="DIR", default="upstream",
                    help="output directory (default: upstream)")
     p.add_argument("--onto", metavar="TREE", help="then check the export against this PyTorch tree")
@@ -349,6 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-tests", metavar="PY", help="run each PR's tests with PY, an interpreter or a virtual "
                    "environment's directory (its torch must have the "
                    "series applied) and record them in --results (default: DIR/test-results.json)")
+    p.add_argument("--check-stack", metavar="VENV", help="check that each PR stands alone: for PR k, a "
+                   f"hard-linked copy of VENV (its torch must be the pristine {pinned}, with pytest) gets the "
+                   "patches of PRs 1..k and runs PR k's tests; the results go into each PR.md and "
+                   "--stack-results (default: DIR/stack-check.json); exit status 1 if a PR fails")
+    p.add_argument("--stack-results", metavar="FILE", help="where --check-stack writes its results; without "
+                   "--check-stack, earlier results to show in each PR.md (a PR whose patches or tests changed "
+                   "since is shown as stale)")
+    p.add_argument("--recheck", metavar="PR[,PR...]", help="with --check-stack: check only these PRs (their "
+                   "directory names, e.g. 203177,new-0015) and keep the other PRs' results from --stack-results")
     p.set_defaults(func=cmd_export)
     p = verb(
         "torchtitan", "apply/revert/status/export the torchtitan consumer series",

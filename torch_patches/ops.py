@@ -230,6 +230,11 @@ def _other_series(old: Marker, series: Series, target: Target) -> str:
     """What ``status`` says when the recorded series is not ``series``."""
     how = ("build and install its wheel (`torch-patches wheel`)" if target.kind == "wheel"
            else "`apply` upgrades to it in one step")
+    ours = series.identity()["patches"]
+    if old.revision == series.revision and old.patches and len(old.patches) < len(ours) \
+            and old.identity()["patches"] == ours[:len(old.patches)]:
+        return (f"the first {patch_word(len(old.patches))} of this series are applied (`apply --upto "
+                f"{len(old.patches)}`); `apply` adds the other {len(ours) - len(old.patches)}")
     if old.revision < series.revision:
         return f"{old.describe()} is applied; a newer series exists (revision {series.revision}): {how}"
     if old.revision > series.revision:

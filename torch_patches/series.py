@@ -337,6 +337,17 @@ class Series:
         """This series minus the patches named in ``names``."""
         return replace(self, patches=tuple(p for p in self.patches if p.name not in names))
 
+    def upto(self, count: int) -> "Series":
+        """The first ``count`` patches: the series as far as PR k of the exported stack.
+
+        Applied, its marker names exactly these patches, so ``revert`` restores
+        the base and a later ``apply`` of the whole series upgrades in one step.
+        """
+        if not 1 <= count <= len(self.patches):
+            raise TorchPatchesError(f"--upto {count}: the series has {len(self.patches)} patch(es); "
+                                    f"give a number from 1 to {len(self.patches)}")
+        return replace(self, patches=self.patches[:count])
+
     def restricted(self, keep: Callable[[str], bool]) -> "Series":
         """This series with only the file diffs whose path ``keep`` accepts.
 

@@ -20,6 +20,7 @@ LAYERS = [
     {"state", "marker"},
     {"targets", "wheel", "upstream", "consumers"},
     {"ops"},
+    {"stackcheck"},
     {"cli"},
     {"__main__"},
 ]

@@ -1,9 +1,11 @@
 """The composition tests' measured numbers (benchmark 6): reduce-scatters per
 FSDP group per optimizer step and gradient error against the single-process
 reference, per scenario of
-``test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py``.
+``test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py``
+and ``test_fully_shard_lifecycle_compositions_eval.py`` (the scenarios that
+also evaluate between steps).
 
-Runs that test file with pytest, as a subprocess of ``--python`` (a venv with
+Runs those test files with pytest, as a subprocess of ``--python`` (a venv with
 the series applied), with ``FSDP_LIFECYCLE_RESULTS`` set: rank 0 of every test
 then appends one JSON line per scenario and configuration (subtest) with what
 it measured over its optimizer steps (the same numbers its assertions check).
@@ -31,7 +33,8 @@ import render  # noqa: E402
 import results  # noqa: E402
 from results import REPO  # noqa: E402
 
-TEST_FILE = "test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py"
+TEST_FILES = ("test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py",
+              "test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions_eval.py")
 RESULTS_ENV = "FSDP_LIFECYCLE_RESULTS"
 
 
@@ -52,7 +55,7 @@ def main() -> int:
     load_before = results.load()
     torch_version = subprocess.run([args.python, "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True, check=True).stdout.strip()
-    pytest_args = [TEST_FILE, "-q", "-p", "no:cacheprovider", *(["-k", args.select] if args.select else [])]
+    pytest_args = [*TEST_FILES, "-q", "-p", "no:cacheprovider", *(["-k", args.select] if args.select else [])]
     print(f"torch {torch_version}: python -m pytest {' '.join(pytest_args)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         lines_path = Path(tmp, "compositions.jsonl")
@@ -66,7 +69,7 @@ def main() -> int:
         print(f"compositions: pytest exited {proc.returncode} ({counts}); no result file written", file=sys.stderr)
         return 1
     rows = [json.loads(line) for line in lines]
-    params = {"test_file": TEST_FILE, "select": args.select, "pytest": counts,
+    params = {"test_file": " ".join(TEST_FILES), "select": args.select, "pytest": counts,
               "command": "python tools/bench/compositions.py --python PATCHED/bin/python"
                          + (f" -k {args.select!r}" if args.select else "")}
     results.write(args.json, "compositions", params, rows, load_before, torch_version)

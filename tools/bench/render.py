@@ -726,7 +726,8 @@ def render(res: Path, rel: str = "tools/bench/results") -> str:
         parts.append(_missing("reduce-order-*.json"))
     parts += _section(res, "compositions.json",
                       "**6. Compositions** (`tools/bench/compositions.py`: the composition tests, "
-                      "`test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py`, run by "
+                      "`test/distributed/_composable/fsdp/test_fully_shard_lifecycle_compositions.py` and "
+                      "`test_fully_shard_lifecycle_compositions_eval.py`, run by "
                       "pytest with `FSDP_LIFECYCLE_RESULTS` set, so that rank 0 of each test records what its "
                       "assertions checked). Per test, the worst of its configurations (subtests) over every "
                       "optimizer step: reduce-scatters per FSDP group with trainable parameters per step "

@@ -398,7 +398,9 @@ def load_results(path: Optional[os.PathLike]) -> Dict[str, dict]:
     return data
 
 
-def pr_description(group: Group, groups: List[Group], series: Series, results: Dict[str, dict]) -> str:
+def pr_description(group: Group, groups: List[Group], series: Series, results: Dict[str, dict],
+                   stack_lines: Optional[List[str]] = None) -> str:
+    """``PR.md``; ``stack_lines`` is the PR's stack check result (``export --check-stack``)."""
     index = groups.index(group)
     before = groups[:index]
     lines = [f"# {group.title}", ""] + ([f"Fixes #{group.number}", ""] if group.number else [])
@@ -439,11 +441,12 @@ def pr_description(group: Group, groups: List[Group], series: Series, results: D
                   + " does not exist yet; this PR is not ready for review.", ""]
     if group.tests_in_earlier_pr:
         lines += ["The test files below come with an earlier PR of this stack (unchanged here).", ""]
+    lines += stack_lines or []
     for rel in (r for r in group.tests if r.startswith("test/")):
         lines += ["```bash", test_command(rel), "```", ""]
         rec = results.get(rel)
         if rec is None:
-            lines += ["Not run by the export; no recorded result.", ""]
+            lines += [] if stack_lines else ["Not run by the export; no recorded result.", ""]
             continue
         status = "passed" if rec.get("returncode") == 0 else f"FAILED (exit {rec.get('returncode')})"
         lines += [f"Recorded {rec.get('recorded', '?')}: {status}; ran `{rec.get('command', '?')}` "
@@ -463,13 +466,21 @@ class ExportResult:
     order: List[str]  # "N/NNNN-*.patch" in git am order
 
 
-def _prepare_out(out: Path) -> None:
+def check_out(out: os.PathLike) -> None:
+    """Refuse an output directory that is neither empty nor an earlier export (reads only)."""
+    out = Path(out)
     if out.exists() and any(out.iterdir()):
         series_file = out / "series"
         header = read_series_file(out, NESTED_PATCH_NAME).header if series_file.is_file() else ()
         if not header or not header[0].startswith(_EXPORT_HEADER):
             raise TorchPatchesError(f"{out} exists, is not empty and is not an earlier export; "
                                     "choose another -o DIR")
+
+
+def _prepare_out(out: Path) -> None:
+    check_out(out)
+    if out.exists() and any(out.iterdir()):
+        series_file = out / "series"
         for child in out.iterdir():
             if child.is_dir() and (child.name.isdigit() or child.name.startswith("new-")):
                 shutil.rmtree(child)
@@ -479,8 +490,10 @@ def _prepare_out(out: Path) -> None:
 
 def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLike,
            results: Optional[Dict[str, dict]] = None,
-           progress: Callable[[str], None] = lambda _msg: None) -> ExportResult:
-    """Write the per-tracker PR directories and ``series`` under ``out``."""
+           progress: Callable[[str], None] = lambda _msg: None,
+           stack_lines: Optional[Dict[str, List[str]]] = None) -> ExportResult:
+    """Write the per-tracker PR directories and ``series`` under ``out``; ``stack_lines``
+    holds each PR's stack check result for its Test Plan, by PR key."""
     out, repo = Path(out), Path(repo)
     if shutil.which("git") is None:
         raise TorchPatchesError("export needs git; install it")
@@ -520,7 +533,8 @@ def export(series: Series, base_files: Files, out: os.PathLike, repo: os.PathLik
                        "there, separated by blank lines.")
                 (dest / DOCS_NAME).write_text(
                     docs_mod.docs_markdown(group.ref, group.docs, series.manifest.docs_file, why), encoding="utf-8")
-            (dest / "PR.md").write_text(pr_description(group, groups, series, results or {}), encoding="utf-8")
+            (dest / "PR.md").write_text(pr_description(group, groups, series, results or {},
+                                                       (stack_lines or {}).get(group.key)), encoding="utf-8")
             progress(f"{group.ref}: {len(group.files)} patch(es) -> {dest}  ({group.title})")
             prev = tag
     (out / "series").write_text(
