@@ -297,7 +297,7 @@ def main(argv=None) -> int:
                                 os.makedirs(args.scripts, exist_ok=True)
                                 path = os.path.join(args.scripts, f"gen_{oracle}_{prog['seed']}.py")
                                 with open(path, "w") as f:
-                                    f.write(generator.script(shrunk, f"{v[0]}: {detail or v[1]}"))
+                                    f.write(generator.script(shrunk, f"{v[0]}: {detail or v[1]}", args.scripts))
                                 line += f" -> {path}"
                     print(line, flush=True)
                     lines.append(line)
