@@ -199,3 +199,26 @@ def test_rules_match_by_signature_layout_and_ops():
     assert generate.matching_rule(prog, "resharded", rules) is None
     assert generate.matching_rule({**prog, "ops": [{"op": "step"}]}, "grad present", rules) is None
     assert generate.matching_rule({**prog, "layout": {"shared": "none"}}, "grad present", rules) is None
+
+
+def test_oracle_a_confirms_0013_with_the_emulating_program(monkeypatch):
+    """A collective difference after a no_grad evaluation is named 0013's only when pristine 2.15.0,
+    running the program with the evaluation's post-forward order dropped by hand, observes exactly
+    what the patched torch does."""
+    prog = next(p for p in (generator.generate(s, "a") for s in range(500))
+                if p["family"] == "fsdp" and any(o["op"] == "eval" for o in p["ops"]))
+    plain, emulating = generator.render(prog), generator.render({**prog, "emulate": "0013"})
+    assert "drop_post_forward_order" not in plain and "drop_post_forward_order(m, start)" in emulating
+    assert "def drop_post_forward_order" in generator.library("fsdp")
+    compile(generator.source({**prog, "emulate": "0013"}), "x", "exec")
+    coll = lambda size: {"outcome": "done", "ranks": [{"outcome": "ok", "events": [["coll", "ag", 2, [[size]]]]}]}  # noqa: E731
+
+    def fake_parallel(jobs):
+        return [{generator.name(prog): coll(512 if "pristine" in label else 1088)} for _, _, _, label in jobs]
+
+    for emulated_size, suffix in [(1088, generate.EMULATED_0013), (512, "")]:
+        monkeypatch.setattr(generate, "run_parallel", fake_parallel)
+        monkeypatch.setattr(generate, "run_programs", lambda programs, python, workdir, label, size=emulated_size: {
+            generator.name(programs[0]): coll(size if label.endswith("-0013") else 512)})
+        verdict = generate.evaluate([prog], "a", {"pristine": "p", "patched": "q"}, "/nonexistent", "t")
+        assert verdict[generator.name(prog)][0] == "differs: coll" + suffix

@@ -211,7 +211,12 @@ def _render_fsdp(program: dict, keep=None) -> list:
         elif kind in ("eval", "eval_grad"):
             ctx_mgr = "torch.no_grad()" if kind == "eval" else "contextlib.nullcontext()"
             out = "scope_of(m).finish_forward(m.head(m(t)))" if b else "m.head(m(t))"
+            emulate = kind == "eval" and program.get("emulate") == "0013"
+            if emulate:
+                L.append("start = len(m._get_fsdp_state()._comm_ctx.post_forward_order)")
             L.append(f"t, _ = data(99, rank, 0)\nwith {ctx_mgr}:\n    ctx.tensor(\"eval\", {out})")
+            if emulate:  # what 0013 does when a forward-only iteration ends, on any torch
+                L.append("drop_post_forward_order(m, start)")
             if b:
                 # 2.15.0 (fully_shard's docstring): a group that does not reshard after forward (the
                 # root's, reshard_after_forward False or an int) keeps the gathered values after a

@@ -174,6 +174,16 @@ def check_grads(ctx, opt, ref, label):
         ctx.check("grad matches reference", err <= TOL, f"{label} {name}: max |grad - ref| {err:.2e}")
 
 
+def drop_post_forward_order(m, start):
+    """What 0013 does when a forward-only iteration ends: drop the post-forward order entries from
+    ``start`` on (oracle A runs this on pristine 2.15.0 to confirm that a difference is 0013's)."""
+    order = m._get_fsdp_state()._comm_ctx.post_forward_order
+    del order[start:]
+    for g in groups(m):
+        while g._post_forward_indices and g._post_forward_indices[-1] >= start:
+            g._post_forward_indices.pop()
+
+
 def optim_step(ctx, m, ref, opt, ref_opt, label):
     check_grads(ctx, opt, ref, label)
     ctx.grads(m)
