@@ -222,3 +222,28 @@ def test_oracle_a_confirms_0013_with_the_emulating_program(monkeypatch):
             generator.name(programs[0]): coll(size if label.endswith("-0013") else 512)})
         verdict = generate.evaluate([prog], "a", {"pristine": "p", "patched": "q"}, "/nonexistent", "t")
         assert verdict[generator.name(prog)][0] == "differs: coll" + suffix
+
+
+def test_loss_failure_on_every_rank_is_drawn_rendered_and_shrunk():
+    """A microbatch's loss raises on every rank before its backward (not the last microbatch, FSDP
+    programs without chunking or manual finalization): the program goes on, the reference skips
+    that microbatch, and oracle B expects one reduction fewer when every microbatch reduces."""
+    for oracle in "ab":
+        progs = [p for p in (generator.generate(s, oracle) for s in range(500))
+                 if any("fail_mb" in o for o in p["ops"])]
+        assert len(progs) >= 5, oracle
+        for prog in progs:
+            op = next(o for o in prog["ops"] if "fail_mb" in o)
+            k = op["fail_mb"]
+            body = generator.render(prog)
+            assert f"fail=mb == {k})" in body and f"skip={k})" in body and "except InjectedError:" in body
+            cands = generator.shrink_candidates(prog)
+            fails = sum("fail_mb" in o for o in prog["ops"])
+            assert any(sum("fail_mb" in o for o in c["ops"]) == fails - 1 and len(c["ops"]) == len(prog["ops"])
+                       for c in cands)
+            bad = {**prog, "ops": [{**o, "fail_mb": prog["layout"]["n_mb"] - 1} if o is op else o for o in prog["ops"]]}
+            assert not generator.valid(bad)
+    prog = next(p for p in (generator.generate(s, "b") for s in range(500))
+                if any(o.get("fail_mb") is not None and o["sync"] == "every" for o in p["ops"]))
+    n_mb = prog["layout"]["n_mb"]
+    assert re.search(rf"expected = \[({n_mb - 1}(, )?)+\]", generator.render(prog))

@@ -62,6 +62,8 @@ def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random) 
             train["prefetch_head"] = lay["head"] in ("separate", "grouped") and rng.random() < 0.3
         elif lay["head"] in ("separate", "grouped") and extra.random() < 0.3:
             train["prefetch_head"] = True  # unshard(async_op=True) of the head before the step
+        if lay["n_mb"] >= 2 and not lay["chunked"] and not lay["manual_final"] and extra.random() < 0.15:
+            train["fail_mb"] = extra.randrange(lay["n_mb"] - 1)  # its loss raises on every rank
         ops.append(train)
         if rng.random() < 0.3:
             ops.append({"op": rng.choice(["eval", "state_dict", "reshard"])
@@ -142,6 +144,9 @@ def valid(program: dict) -> bool:
             return False
         if lay["chunked"] and program["oracle"] != "b":
             return False
+        for op in program["ops"]:
+            if "fail_mb" in op and (lay["chunked"] or lay["manual_final"] or op["fail_mb"] >= lay["n_mb"] - 1):
+                return False
         return any(op["op"] == "train" for op in program["ops"])
     if lay["kind"] != "plain" and lay["shared"] != "none":
         return False
@@ -248,27 +253,33 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     last = f"mb == {n_mb - 1}"
     sync = "True" if op["sync"] == "every" else last
     field = "requires_all_reduce" if op["sync"] == "rs_only" else "requires_gradient_sync"
-    if b:
-        L.append(f"    with m.fsdp_policy({field}={sync}, recurse=True):")
-        ind = "        "
-    else:
-        ind = "    "
+    fail = op.get("fail_mb")
+    ind = "    "
+    if not b:
         if op["sync"] != "every":
             L.append(f"    m.set_{field}({sync}, recurse=True)")
         if op.get("is_last_backward"):
             L.append(f"    m.set_is_last_backward({last})")
+    if fail is not None:
+        L.append("    try:")
+        ind += "    "
+    if b:
+        L.append(f"{ind}with m.fsdp_policy({field}={sync}, recurse=True):")
+        ind += "    "
     if lay["chunked"]:
         L.append(f"{ind}chunked_loss(m, t, y, {n_mb}, {lay['n_chunks']})")
     else:
-        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b})")
+        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b}" + (f", fail=mb == {fail})" if fail is not None else ")"))
+    if fail is not None:
+        L.append("    except InjectedError:  # on every rank, before its backward\n        pass")
     if lay["manual_final"]:
         L.append("m.finalize_backward()")
-    L.append(f"ref_train(ref, {step}, world, {n_mb})")
+    L.append(f"ref_train(ref, {step}, world, {n_mb}" + (f", skip={fail})" if fail is not None else ")"))
     if not b:
         if want("reductions per group == minimum"):
             L.append('ctx.value("reductions", sorted(reductions.count.items()))')
         return L
-    reducing = 1 if op["sync"] == "last" else n_mb
+    reducing = 1 if op["sync"] == "last" else n_mb - (fail is not None)
     if want("reductions per group == minimum"):
         L.append(f"expected = {sorted(reducing * g for g in groups)}  # reductions of each trainable group")
         L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
@@ -340,6 +351,8 @@ def shrink_candidates(program: dict) -> list:
     for i in range(len(ops)):
         out.append({**program, "ops": ops[:i] + ops[i + 1:]})
     for i, op in enumerate(ops):
+        if "fail_mb" in op:
+            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != "fail_mb"}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),
                             ("prefetch_head", False)):
             if key in op and op[key] != simple:

@@ -69,13 +69,20 @@ def ce(logits, labels, n_mb):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (B * S * n_mb)
 
 
-def full_loss(m, tokens, labels, n_mb, finish=False):
-    """One microbatch without chunking."""
+class InjectedError(Exception):
+    """What the loss of a microbatch that the program makes fail raises (before its backward)."""
+
+
+def full_loss(m, tokens, labels, n_mb, finish=False, fail=False):
+    """One microbatch without chunking; ``fail``: the loss raises ``InjectedError`` instead of
+    running the backward."""
     h = m(tokens)
     logits = m.head(h)
     loss = ce(scope_of(m).finish_forward(logits) if finish else logits, labels, n_mb)
     if m.mtp is not None:
         loss = loss + ce(m.aux(h), labels.roll(1, 1), n_mb)
+    if fail:
+        raise InjectedError("injected in the loss")
     loss.backward()
 
 
@@ -99,10 +106,13 @@ def chunked_loss(m, tokens, labels, n_mb, n_chunks):
         h.backward(torch.cat([c.grad for c in chunks], 1))
 
 
-def ref_train(ref, step, world, n_mb):
-    """The reference's gradients for one optimizer step of every rank's data."""
+def ref_train(ref, step, world, n_mb, skip=None):
+    """The reference's gradients for one optimizer step of every rank's data (without microbatch
+    ``skip``, whose loss failed on every rank)."""
     for rank in range(world):
         for mb in range(n_mb):
+            if mb == skip:
+                continue
             t, y = data(step, rank, mb)
             h = ref(t)
             loss = ce(ref.head(h), y, n_mb)
