@@ -247,3 +247,20 @@ def test_loss_failure_on_every_rank_is_drawn_rendered_and_shrunk():
                 if any(o.get("fail_mb") is not None and o["sync"] == "every" for o in p["ops"]))
     n_mb = prog["layout"]["n_mb"]
     assert re.search(rf"expected = \[({n_mb - 1}(, )?)+\]", generator.render(prog))
+
+
+def test_mixed_precision_layouts():
+    """bf16 parameters with fp32 reduction on every fully_shard call of the program, drawn from a
+    stream of its own; oracle B compares gradients within 5 % of the reference's largest."""
+    for oracle in "ab":
+        progs = [p for p in (generator.generate(s, oracle) for s in range(300))
+                 if p["family"] == "fsdp" and p["layout"]["mp"]]
+        assert len(progs) >= 10, oracle
+        for prog in progs:
+            body = generator.render(prog)
+            calls = re.findall(r"fully_shard\((.*)\)$", body, re.M)
+            assert calls and all(c.endswith(", mp_policy=mp") for c in calls), calls
+            assert "optim_step(" not in body or ', rel=0.05)' in body
+            plain = generator.render({**prog, "layout": {**prog["layout"], "mp": False}})
+            assert "mp_policy" not in plain and "rel=" not in plain
+    assert ("mp", False) in generator.SIMPLEST["fsdp"]

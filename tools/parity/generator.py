@@ -27,7 +27,7 @@ ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Schedu
 
 #: The simplest value of each layout field, in the order the shrinker tries them.
 SIMPLEST = {
-    "fsdp": [("aux", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
+    "fsdp": [("aux", False), ("mp", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
              ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2)],
     "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2)],
@@ -123,6 +123,8 @@ def generate(seed: int, oracle: str) -> dict:
     family = "pp" if rng.random() < 0.5 else "fsdp"
     lay = _pp_layout(rng, oracle) if family == "pp" else _fsdp_layout(rng, oracle)
     extra = random.Random(f"{oracle}:{seed}:extra")
+    if family == "fsdp":  # a third stream, so that the other draws stay
+        lay["mp"] = random.Random(f"{oracle}:{seed}:mp").random() < 0.2  # bf16 parameters, fp32 reduction
     ops = _pp_ops(rng, oracle, lay) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
 
@@ -176,15 +178,18 @@ def _render_fsdp(program: dict, keep=None) -> list:
     L = [f"m, ref = make_net(norm_in_forward={lay['norm_in_forward']}, aux={lay['aux']}, "
          f"tied={lay['head'] == 'tied'}, frozen_embed={lay['frozen_embed']})"]
     L.append('mesh = init_device_mesh("cpu", ' + ('(2, 2), mesh_dim_names=("replicate", "shard"))' if lay["mesh"] == "hsdp" else '(world,))'))
+    mp = ", mp_policy=mp" if lay.get("mp") else ""
+    if mp:
+        L.append("mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
     if lay["blocks"] == "per_block":
-        L.append(f"for layer in m.layers:\n    fully_shard(layer, mesh=mesh, reshard_after_forward={lay['raf']})")
+        L.append(f"for layer in m.layers:\n    fully_shard(layer, mesh=mesh, reshard_after_forward={lay['raf']}{mp})")
     if lay["aux"]:
-        L.append("fully_shard(m.mtp, mesh=mesh)")
+        L.append(f"fully_shard(m.mtp, mesh=mesh{mp})")
     head = {"separate": "m.lm_head", "grouped": "[m.norm, m.lm_head]",
             "tied": "[m.tok_embeddings, m.norm, m.lm_head]"}.get(lay["head"])
     if head:
-        L.append(f"fully_shard({head}, mesh=mesh)")
-    L.append("fully_shard(m, mesh=mesh)")
+        L.append(f"fully_shard({head}, mesh=mesh{mp})")
+    L.append(f"fully_shard(m, mesh=mesh{mp})")
     L.append("opt, ref_opt = torch.optim.SGD(m.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)")
     if want("reductions per group == minimum"):
         L.append(f"reductions = Reductions(m, tied={lay['head'] == 'tied'})")
@@ -212,7 +217,9 @@ def _render_fsdp(program: dict, keep=None) -> list:
             L += _render_fsdp_train(lay, op, step, b, groups, n_mb, bool(probe), want)
             step += 1
         elif kind == "optim":
-            L.append(f'optim_step(ctx, m, ref, opt, ref_opt, "op {i}")')
+            # bf16 parameters: within 5 % of the reference's largest gradient (a missing or doubled
+            # reduction is off by 100 %)
+            L.append(f'optim_step(ctx, m, ref, opt, ref_opt, "op {i}"' + (", rel=0.05)" if lay.get("mp") else ")"))
         elif kind in ("eval", "eval_grad"):
             ctx_mgr = "torch.no_grad()" if kind == "eval" else "contextlib.nullcontext()"
             out = "scope_of(m).finish_forward(m.head(m(t)))" if b else "m.head(m(t))"
