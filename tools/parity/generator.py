@@ -27,7 +27,7 @@ ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Schedu
 
 #: The simplest value of each layout field, in the order the shrinker tries them.
 SIMPLEST = {
-    "fsdp": [("aux", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
+    "fsdp": [("aux", False), ("mp", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
              ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2)],
     "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2)],
@@ -50,7 +50,8 @@ def _fsdp_layout(rng: random.Random, oracle: str) -> dict:
     return lay
 
 
-def _fsdp_ops(rng: random.Random, oracle: str, lay: dict) -> list:
+def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random) -> list:
+    """``extra`` draws what revision 4's generator added, so that each seed's earlier draws stay."""
     ops = []
     for _ in range(rng.randint(1, 3)):
         # Under manual finalization the root's groups reduce in finalize_backward(): no-sync until then
@@ -59,6 +60,10 @@ def _fsdp_ops(rng: random.Random, oracle: str, lay: dict) -> list:
         if oracle == "a":
             train["is_last_backward"] = rng.random() < 0.3
             train["prefetch_head"] = lay["head"] in ("separate", "grouped") and rng.random() < 0.3
+        elif lay["head"] in ("separate", "grouped") and extra.random() < 0.3:
+            train["prefetch_head"] = True  # unshard(async_op=True) of the head before the step
+        if lay["n_mb"] >= 2 and not lay["chunked"] and not lay["manual_final"] and extra.random() < 0.15:
+            train["fail_mb"] = extra.randrange(lay["n_mb"] - 1)  # its loss raises on every rank
         ops.append(train)
         if rng.random() < 0.3:
             ops.append({"op": rng.choice(["eval", "state_dict", "reshard"])
@@ -117,7 +122,10 @@ def generate(seed: int, oracle: str) -> dict:
     rng = random.Random(f"{oracle}:{seed}")
     family = "pp" if rng.random() < 0.5 else "fsdp"
     lay = _pp_layout(rng, oracle) if family == "pp" else _fsdp_layout(rng, oracle)
-    ops = _pp_ops(rng, oracle, lay) if family == "pp" else _fsdp_ops(rng, oracle, lay)
+    extra = random.Random(f"{oracle}:{seed}:extra")
+    if family == "fsdp":  # a third stream, so that the other draws stay
+        lay["mp"] = random.Random(f"{oracle}:{seed}:mp").random() < 0.2  # bf16 parameters, fp32 reduction
+    ops = _pp_ops(rng, oracle, lay) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
 
 
@@ -138,6 +146,9 @@ def valid(program: dict) -> bool:
             return False
         if lay["chunked"] and program["oracle"] != "b":
             return False
+        for op in program["ops"]:
+            if "fail_mb" in op and (lay["chunked"] or lay["manual_final"] or op["fail_mb"] >= lay["n_mb"] - 1):
+                return False
         return any(op["op"] == "train" for op in program["ops"])
     if lay["kind"] != "plain" and lay["shared"] != "none":
         return False
@@ -158,30 +169,38 @@ def _fsdp_groups(lay: dict) -> list:
     return [1] * (n + int(root))
 
 
-def _render_fsdp(program: dict) -> list:
+def _render_fsdp(program: dict, keep=None) -> list:
+    """``keep``: the names of the checks to render (None: all of them)."""
     lay, oracle = program["layout"], program["oracle"]
     b = oracle == "b"
+    want = lambda check: keep is None or check in keep  # noqa: E731
     n_mb = lay["n_mb"]
     L = [f"m, ref = make_net(norm_in_forward={lay['norm_in_forward']}, aux={lay['aux']}, "
          f"tied={lay['head'] == 'tied'}, frozen_embed={lay['frozen_embed']})"]
     L.append('mesh = init_device_mesh("cpu", ' + ('(2, 2), mesh_dim_names=("replicate", "shard"))' if lay["mesh"] == "hsdp" else '(world,))'))
+    mp = ", mp_policy=mp" if lay.get("mp") else ""
+    if mp:
+        L.append("mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
     if lay["blocks"] == "per_block":
-        L.append(f"for layer in m.layers:\n    fully_shard(layer, mesh=mesh, reshard_after_forward={lay['raf']})")
+        L.append(f"for layer in m.layers:\n    fully_shard(layer, mesh=mesh, reshard_after_forward={lay['raf']}{mp})")
     if lay["aux"]:
-        L.append("fully_shard(m.mtp, mesh=mesh)")
+        L.append(f"fully_shard(m.mtp, mesh=mesh{mp})")
     head = {"separate": "m.lm_head", "grouped": "[m.norm, m.lm_head]",
             "tied": "[m.tok_embeddings, m.norm, m.lm_head]"}.get(lay["head"])
     if head:
-        L.append(f"fully_shard({head}, mesh=mesh)")
-    L.append("fully_shard(m, mesh=mesh)")
+        L.append(f"fully_shard({head}, mesh=mesh{mp})")
+    L.append(f"fully_shard(m, mesh=mesh{mp})")
     L.append("opt, ref_opt = torch.optim.SGD(m.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)")
-    L.append(f"reductions = Reductions(m, tied={lay['head'] == 'tied'})")
+    if want("reductions per group == minimum"):
+        L.append(f"reductions = Reductions(m, tied={lay['head'] == 'tied'})")
     # Groups the decoder backward does not reach: freed when it runs (contract section 6)
     probe = []
     if lay["head"] == "separate" or (lay["head"] == "grouped" and not lay["norm_in_forward"]):
         probe.append("m.lm_head")
     if lay["aux"]:
         probe.append("m.mtp")
+    if keep is not None and not want("head freed during the decoder backward"):
+        probe = []
     if probe:
         L.append("held = []")
         L.append(f"hold_probe(m, held, lambda: [g for x in [{', '.join(probe)}] "
@@ -195,28 +214,43 @@ def _render_fsdp(program: dict) -> list:
         L.append(f"# op {i}: {json.dumps(op)}")
         L.append(f'ctx.phase("op {i} {kind}")')
         if kind == "train":
-            L += _render_fsdp_train(lay, op, step, b, groups, n_mb, bool(probe))
+            L += _render_fsdp_train(lay, op, step, b, groups, n_mb, bool(probe), want)
             step += 1
         elif kind == "optim":
-            L.append(f'optim_step(ctx, m, ref, opt, ref_opt, "op {i}")')
+            # bf16 parameters: within 5 % of the reference's largest gradient (a missing or doubled
+            # reduction is off by 100 %)
+            L.append(f'optim_step(ctx, m, ref, opt, ref_opt, "op {i}"' + (", rel=0.05)" if lay.get("mp") else ")"))
         elif kind in ("eval", "eval_grad"):
             ctx_mgr = "torch.no_grad()" if kind == "eval" else "contextlib.nullcontext()"
             out = "scope_of(m).finish_forward(m.head(m(t)))" if b else "m.head(m(t))"
+            emulate = kind == "eval" and program.get("emulate") == "0013"
+            if emulate:
+                L.append("start = len(m._get_fsdp_state()._comm_ctx.post_forward_order)")
             L.append(f"t, _ = data(99, rank, 0)\nwith {ctx_mgr}:\n    ctx.tensor(\"eval\", {out})")
+            if emulate:  # what 0013 does when a forward-only iteration ends, on any torch
+                L.append("drop_post_forward_order(m, start)")
+            if b:
+                # 2.15.0 (fully_shard's docstring): a group that does not reshard after forward (the
+                # root's, reshard_after_forward False or an int) keeps the gathered values after a
+                # no_grad forward, and optimizer.step() updates only the sharded parameters, so the
+                # next forward would train on pre-step weights: reshard() them (findings/gen_b_456.py)
+                L.append("for x in fsdp_modules(m):\n    x.reshard()")
         elif kind == "state_dict":
             L.append("m.load_state_dict(m.state_dict())")
         elif kind == "reshard":
             L.append("for x in fsdp_modules(m):\n    x.reshard()")
-            L.append('ctx.check("resharded", unsharded_bytes(groups(m)) == 0, '
-                     f'f"op {i}: {{unsharded_bytes(groups(m))}} B unsharded after reshard()")')
+            if want("resharded"):
+                L.append('ctx.check("resharded", unsharded_bytes(groups(m)) == 0, '
+                         f'f"op {i}: {{unsharded_bytes(groups(m))}} B unsharded after reshard()")')
     return L
 
 
-def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe) -> list:
+def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     L = []
-    if b:
+    if b and want("policy restored"):
         L.append("before = policies(m)")
-    L.append("reductions.count.clear()")
+    if want("reductions per group == minimum"):
+        L.append("reductions.count.clear()")
     if probe:
         L.append("held.clear()")
     if op.get("prefetch_head"):
@@ -226,42 +260,54 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe) -> list:
     last = f"mb == {n_mb - 1}"
     sync = "True" if op["sync"] == "every" else last
     field = "requires_all_reduce" if op["sync"] == "rs_only" else "requires_gradient_sync"
-    if b:
-        L.append(f"    with m.fsdp_policy({field}={sync}, recurse=True):")
-        ind = "        "
-    else:
-        ind = "    "
+    fail = op.get("fail_mb")
+    ind = "    "
+    if not b:
         if op["sync"] != "every":
             L.append(f"    m.set_{field}({sync}, recurse=True)")
         if op.get("is_last_backward"):
             L.append(f"    m.set_is_last_backward({last})")
+    if fail is not None:
+        L.append("    try:")
+        ind += "    "
+    if b:
+        L.append(f"{ind}with m.fsdp_policy({field}={sync}, recurse=True):")
+        ind += "    "
     if lay["chunked"]:
         L.append(f"{ind}chunked_loss(m, t, y, {n_mb}, {lay['n_chunks']})")
     else:
-        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b})")
+        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b}" + (f", fail=mb == {fail})" if fail is not None else ")"))
+    if fail is not None:
+        L.append("    except InjectedError:  # on every rank, before its backward\n        pass")
     if lay["manual_final"]:
         L.append("m.finalize_backward()")
-    L.append(f"ref_train(ref, {step}, world, {n_mb})")
+    L.append(f"ref_train(ref, {step}, world, {n_mb}" + (f", skip={fail})" if fail is not None else ")"))
     if not b:
-        L.append('ctx.value("reductions", sorted(reductions.count.items()))')
+        if want("reductions per group == minimum"):
+            L.append('ctx.value("reductions", sorted(reductions.count.items()))')
         return L
-    reducing = 1 if op["sync"] == "last" else n_mb
-    L.append(f"expected = {sorted(reducing * g for g in groups)}  # reductions of each trainable group")
-    L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
-             f'f"step {step}: {{dict(reductions.count)}} vs {{expected}}")')
-    L.append('ctx.check("policy restored", policies(m) == before, f"step ' + str(step) + '")')
-    L.append('ctx.check("no pending gradients", not any(g._post_backward_pending for g in groups(m)), '
-             f'"step {step}")')
-    L.append(f'ctx.check("resharded", unsharded_bytes(groups(m)) == 0, f"step {step}: '
-             '{unsharded_bytes(groups(m))} B unsharded after a finalized step")')
+    reducing = 1 if op["sync"] == "last" else n_mb - (fail is not None)
+    if want("reductions per group == minimum"):
+        L.append(f"expected = {sorted(reducing * g for g in groups)}  # reductions of each trainable group")
+        L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
+                 f'f"step {step}: {{dict(reductions.count)}} vs {{expected}}")')
+    if want("policy restored"):
+        L.append('ctx.check("policy restored", policies(m) == before, f"step ' + str(step) + '")')
+    if want("no pending gradients"):
+        L.append('ctx.check("no pending gradients", not any(g._post_backward_pending for g in groups(m)), '
+                 f'"step {step}")')
+    if want("resharded"):
+        L.append(f'ctx.check("resharded", unsharded_bytes(groups(m)) == 0, f"step {step}: '
+                 '{unsharded_bytes(groups(m))} B unsharded after a finalized step")')
     if probe:
         L.append('ctx.check("head freed during the decoder backward", not any(held), '
                  f'f"step {step}: head groups held {{held}} B unsharded when the backward reached layers[0]")')
     return L
 
 
-def _render_pp(program: dict) -> list:
+def _render_pp(program: dict, keep=None) -> list:
     lay = program["layout"]
+    idle = keep is None or bool({"no pending gradients", "resharded"} & set(keep))
     L = [f"pipe = Pipe(ctx, rank, world, {lay['schedule']!r}, {lay['placement']!r}, {lay['kind']!r}, "
          f"shared={lay['shared']!r}, n_mb={lay['n_mb']}, scale_grads={lay['scale_grads']})"]
     data_step = 0
@@ -271,7 +317,7 @@ def _render_pp(program: dict) -> list:
         if kind == "step":
             extra = "" if op["finalize"] else ", finalize_gradients=False"
             L.append(f"pipe.run({data_step}{extra})")
-            if op["finalize"] and program["oracle"] == "b":
+            if op["finalize"] and program["oracle"] == "b" and idle:
                 L.append(f'pipe.check_idle("op {i}")')
             data_step += 1
         elif kind == "eval":
@@ -289,9 +335,11 @@ def library(family: str) -> str:
         return f.read()
 
 
-def render(program: dict) -> str:
-    """The source of ``body(rank, world, ctx)`` for ``program`` (after its library's text)."""
-    lines = _render_pp(program) if program["family"] == "pp" else _render_fsdp(program)
+def render(program: dict, keep=None) -> str:
+    """The source of ``body(rank, world, ctx)`` for ``program`` (after its library's text);
+    ``keep``: the names of the oracle B checks to render (None: every check; scripts keep the
+    failing one)."""
+    lines = (_render_pp if program["family"] == "pp" else _render_fsdp)(program, keep)
     body = "\n".join(lines)
     return "def body(rank, world, ctx):\n" + "".join(f"    {line}\n" for line in body.splitlines())
 
@@ -310,6 +358,8 @@ def shrink_candidates(program: dict) -> list:
     for i in range(len(ops)):
         out.append({**program, "ops": ops[:i] + ops[i + 1:]})
     for i, op in enumerate(ops):
+        if "fail_mb" in op:
+            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != "fail_mb"}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),
                             ("prefetch_head", False)):
             if key in op and op[key] != simple:
@@ -328,82 +378,33 @@ def size(program: dict) -> tuple:
 
 # ---- standalone scripts --------------------------------------------------------
 
-SCRIPT_MAIN = '''
-
-class Ctx:
-    """Oracle B's checks raise; the recording hooks of the parity worker do nothing here."""
-
-    def check(self, what, ok, detail=""):
-        if not ok:
-            raise AssertionError(f"{what}: {detail}")
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def _rank(rank, world, store):
-    import datetime
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
-    body(rank, world, Ctx())
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import sys
-    import tempfile
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_rank, args=(WORLD, tmp + "/store"), nprocs=WORLD)
-        except Exception as exc:  # noqa: BLE001 - the failure this script reproduces
-            print(f"FAILED: {str(exc).strip().splitlines()[-1]}")
-            sys.exit(1)
-    print("passed")
-'''
-
-
-def _prune(lib: str, body: str) -> str:
-    """``lib`` without its docstring and the top-level functions and classes ``body`` never reaches."""
-    import ast
-
-    tree = ast.parse(lib)
-    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-
-    def used(node_or_text):
-        tree_ = ast.parse(node_or_text) if isinstance(node_or_text, str) else node_or_text
-        return {n.id for n in ast.walk(tree_) if isinstance(n, ast.Name)}
-
-    keep, todo = set(), list(used(body) & set(defs))
-    while todo:
-        n = todo.pop()
-        if n not in keep:
-            keep.add(n)
-            todo += list(used(defs[n]) & set(defs) - keep)
-    lines = lib.splitlines()
-    drop = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in keep:
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            drop.update(range(start - 1, node.end_lineno))
-        elif isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
-            drop.update(range(node.lineno - 1, node.end_lineno))  # the module docstring
-    text = "\n".join(line for i, line in enumerate(lines) if i not in drop)
-    while "\n\n\n\n" in text:
-        text = text.replace("\n\n\n\n", "\n\n\n")
-    return text.strip("\n") + "\n"
-
-
-def script(program: dict, failure: str = "") -> str:
-    """A standalone script (torch only) that runs ``program`` on its ranks and exits 1 on a failed check."""
-    lay = program["layout"]
+def script(program: dict, failure: str = "", where: str = os.path.join(HERE, "findings"), trace=None) -> str:
+    """A short standalone script of ``program`` for the directory ``where``: the program's body
+    with only the failing check (``failure`` starts with its name), run by ``genscript.main``
+    with the runtime imported from tools/parity (found relative to the script's directory).
+    Oracle B: exits 1 with ``FAILED: <check>: ...`` while the bug is there; oracle A: prints
+    rank 0's collectives per operation (compare the pristine and the patched output), or not
+    with ``trace=False``; its gradient checks still exit 1."""
+    trace = program["oracle"] == "a" if trace is None else trace
+    lay, oracle = program["layout"], program["oracle"]
+    check = failure.split(":", 1)[0].strip()
+    keep = ({check} if check else None) if oracle == "b" else set()  # oracle A: the operations only
+    body = render(program, keep)
+    body = "\n".join(line for line in body.splitlines() if "ctx.phase(" not in line or trace)
+    rel = os.path.relpath(HERE, os.path.abspath(where))
+    parts = ["os.path.dirname(os.path.abspath(__file__))"] + [repr(x) for x in rel.split(os.sep) if x != "."]
+    run = ("Run: python THIS_FILE, from any directory (it imports its runtime from tools/parity);\n"
+           "exits 1 with FAILED: ... while the bug is there" if not trace else
+           "Run: python THIS_FILE with the pristine and with the patched torch and compare the collectives")
     head = [f'"""Generated by tools/parity/generate.py: program {name(program)}.', "",
             f"layout: {json.dumps(lay, sort_keys=True)}"]
     if failure:
         head += ["", f"Fails with: {failure}"]
-    head += ["", "Run: python THIS_FILE (exit 1 and FAILED: ... when the bug is present)", '"""']
-    body = render(program)
-    return ("\n".join(head) + "\n" + _prune(library(program["family"]), body)
-            + "import contextlib\n\nWORLD = " + str(lay["world"]) + "\n\n\n" + body + SCRIPT_MAIN)
+    head += ["", run, '"""']
+    imports = ["import contextlib  # noqa: F401", "import os", "import sys", "",
+               f"sys.path.insert(0, os.path.join({', '.join(parts)}))  # tools/parity",
+               f"from genlib_{program['family']} import *  # noqa: E402,F401,F403 - the model, reference, checks",
+               "from genscript import main  # noqa: E402", "", ""]
+    tail = ["", "", 'if __name__ == "__main__":',
+            f"    main(body, world={lay['world']}" + (", trace=True)" if trace else ")")]
+    return "\n".join(head + imports) + "\n" + body + "\n" + "\n".join(tail) + "\n"
