@@ -9,13 +9,7 @@ several optimizer steps. The model, schedules and helpers are those of
 test_pipelining_fsdp_step.py.
 """
 
-import copy
-
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -24,8 +18,6 @@ from torch.testing._internal.common_utils import (
 
 from test_pipelining_fsdp_step import (
     NUM_MICROBATCHES,
-    SCHEDULES,
-    TiedStageModule,
     _Base,
 )
 
@@ -34,38 +26,6 @@ class TestPipelineSharedParameters(_Base):
     @property
     def world_size(self) -> int:
         return 2
-
-    def _build_tied(self, schedule: str, dp: str, tie: bool = True, scale_grads: bool = False):
-        schedule_cls, per_rank = SCHEDULES[schedule]
-        pp_size, pp_rank, pp_group, mesh = self._meshes(dp)
-        num_stages = pp_size * per_rank
-        torch.manual_seed(0)
-        reference = nn.ModuleList([TiedStageModule() for _ in range(num_stages)])
-        for idx in range(pp_size, num_stages if tie else 0):
-            reference[idx].shared = reference[idx - pp_size].shared
-        # One copy of the whole model keeps the ties
-        model = copy.deepcopy(reference)
-        stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
-        stages, modules = [], {}
-        for idx in stage_ids:
-            module = model[idx]
-            if dp != "none":
-                for block in module.blocks:
-                    fully_shard(block, mesh=mesh)
-            if dp == "fsdp":
-                # A tied layer stays out of FSDP: each stage module is its own
-                # FSDP root and cannot shard a parameter another root holds;
-                # untied, it is in the root's group
-                ignored = set(module.shared.parameters()) if tie else None
-                fully_shard(module, mesh=mesh, ignored_params=ignored)
-            modules[idx] = module
-            stages.append(
-                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
-            )
-        self.modules, self.reference, self.last = modules, reference, num_stages - 1
-        self.aux_loss = False
-        target = stages if per_rank > 1 else stages[0]
-        return schedule_cls(target, NUM_MICROBATCHES, loss_fn=F.mse_loss, scale_grads=scale_grads)
 
     @parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
     @parametrize("dp", ["fsdp", "children"])

@@ -59,42 +59,6 @@ class TestPipelineStepWorld2(_Base):
                 self._run_step(sched, x, y)
         self.assertLess(time.monotonic() - start, FAST_FAILURE_S)
 
-    def _inject_failures(self, sched, sync):
-        """Make the last stage's loss raise at microbatch 0 and stage 0's
-        forward at microbatch 1 while ``fail["armed"]``; with a ``sync``
-        store, stage 0 raises only after the last stage has received
-        microbatch 0 (so that its send is complete)."""
-        loss_fn = sched._loss_fn
-        fail = {"armed": False, "forward": 0, "loss": 0}
-
-        def failing_loss(out, target):
-            if fail["armed"]:
-                if sync is not None:
-                    sync.set("received", "1")
-                raise Failure("injected loss failure")
-            return loss_fn(out, target)
-
-        def failing_forward_hook(module, args):
-            if not fail["armed"]:
-                fail["forward"] = 0
-                return
-            fail["forward"] += 1
-            if fail["forward"] == 2:
-                fail["forward"] = 0
-                if sync is not None:
-                    sync.wait(["received"])
-                    sync.delete_key("received")
-                    # The last stage received microbatch 0: its send
-                    # completes
-                    time.sleep(0.2)
-                raise Failure("injected forward failure")
-
-        sched._loss_fn = failing_loss
-        first = self.modules.get(0)
-        if first is not None:
-            first.register_forward_pre_hook(failing_forward_hook)
-        return first, fail
-
 
 class TestPipelineStepFailures(_Base):
     """A failure on one rank: its peer fails as fast as on 2.15.0."""

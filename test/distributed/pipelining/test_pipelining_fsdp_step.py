@@ -17,6 +17,7 @@ several optimizer steps.
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -233,6 +234,78 @@ class _Base(GlooMultiProcessTestCase):
                 if p_ref.grad is not None:
                     p_ref.sub_(p_ref.grad * LR)
                 p_ref.grad = None
+
+    def _build_tied(self, schedule: str, dp: str, tie: bool = True, scale_grads: bool = False):
+        schedule_cls, per_rank = SCHEDULES[schedule]
+        pp_size, pp_rank, pp_group, mesh = self._meshes(dp)
+        num_stages = pp_size * per_rank
+        torch.manual_seed(0)
+        reference = nn.ModuleList([TiedStageModule() for _ in range(num_stages)])
+        for idx in range(pp_size, num_stages if tie else 0):
+            reference[idx].shared = reference[idx - pp_size].shared
+        # One copy of the whole model keeps the ties
+        model = copy.deepcopy(reference)
+        stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
+        stages, modules = [], {}
+        for idx in stage_ids:
+            module = model[idx]
+            if dp != "none":
+                for block in module.blocks:
+                    fully_shard(block, mesh=mesh)
+            if dp == "fsdp":
+                # A tied layer stays out of FSDP: each stage module is its own
+                # FSDP root and cannot shard a parameter another root holds;
+                # untied, it is in the root's group
+                ignored = set(module.shared.parameters()) if tie else None
+                fully_shard(module, mesh=mesh, ignored_params=ignored)
+            modules[idx] = module
+            stages.append(
+                PipelineStage(module, idx, num_stages, torch.device("cpu"), group=pp_group)
+            )
+        self.modules, self.reference, self.last = modules, reference, num_stages - 1
+        self.aux_loss = False
+        target = stages if per_rank > 1 else stages[0]
+        return schedule_cls(target, NUM_MICROBATCHES, loss_fn=F.mse_loss, scale_grads=scale_grads)
+
+    def _tied_grads(self) -> list:
+        tied = self.modules[self.rank].shared
+        return [None if p.grad is None else p.grad.clone() for p in tied.parameters()]
+
+    def _inject_failures(self, sched, sync):
+        """Make the last stage's loss raise at microbatch 0 and stage 0's
+        forward at microbatch 1 while ``fail["armed"]``; with a ``sync``
+        store, stage 0 raises only after the last stage has received
+        microbatch 0 (so that its send is complete)."""
+        loss_fn = sched._loss_fn
+        fail = {"armed": False, "forward": 0, "loss": 0}
+
+        def failing_loss(out, target):
+            if fail["armed"]:
+                if sync is not None:
+                    sync.set("received", "1")
+                raise Failure("injected loss failure")
+            return loss_fn(out, target)
+
+        def failing_forward_hook(module, args):
+            if not fail["armed"]:
+                fail["forward"] = 0
+                return
+            fail["forward"] += 1
+            if fail["forward"] == 2:
+                fail["forward"] = 0
+                if sync is not None:
+                    sync.wait(["received"])
+                    sync.delete_key("received")
+                    # The last stage received microbatch 0: its send
+                    # completes
+                    time.sleep(0.2)
+                raise Failure("injected forward failure")
+
+        sched._loss_fn = failing_loss
+        first = self.modules.get(0)
+        if first is not None:
+            first.register_forward_pre_hook(failing_forward_hook)
+        return first, fail
 
 
 class TestPipelineStepWorld2(_Base):
