@@ -470,11 +470,10 @@ class TestFullyShardPolicy(_PolicyTestBase):
             for field, value in fields.items():
                 self.assertTrue(_same(value, after[obj_name][field]), field)
 
-    def test_fsdp_policy_scope(self):
-        """
-        ``fsdp_policy``: keyword changes, ``policy=``, ``recurse``,
-        ``is_last_backward``, nesting, restore on exception, and what it yields.
-        """
+    def _scope_setup(self):
+        """A lazily initialized model whose ``body.0`` has a non-default
+        policy that scopes must keep and restore, its policies and a
+        snapshot of every FSDP object's fields."""
         torch.manual_seed(0)
         model = _shard(Model(), group_head=True)
         block0, block1 = model.body
@@ -491,7 +490,13 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(root_policy, FSDPPolicy())
         self.assertEqual(policies["body.0"], block0_policy)
         snapshot = _snapshot(model)
+        return model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
 
+    def test_fsdp_policy_scope_keywords(self):
+        """Omitted keywords keep the current value; only ``self`` changes."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # Keyword: omitted keywords keep the current value; only self changes
         with block0.fsdp_policy(reshard_after_backward=False, recurse=False) as applied:
             expected = dataclasses.replace(block0_policy, reshard_after_backward=False)
@@ -504,6 +509,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "keyword scope")
 
+    def test_fsdp_policy_scope_policy_argument(self):
+        """``policy=`` is applied as a whole, then the keywords on top."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # policy=: applied as a whole, then the keywords on top
         given = FSDPPolicy(requires_gradient_sync=False, reshard_after_forward=True)
         with block0.fsdp_policy(
@@ -517,6 +527,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
             self.assertTrue(group.all_reduce_grads)  # from ``given``
         self._assert_same_snapshot(snapshot, _snapshot(model), "policy= scope")
 
+    def test_fsdp_policy_scope_recurse(self):
+        """``recurse=True`` changes the given fields of every module and keeps each module's other fields."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # recurse=True: every module keeps its own other fields
         with model.fsdp_policy(recurse=True, requires_gradient_sync=False) as applied:
             self.assertEqual(
@@ -536,6 +551,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
             self.assertEqual(model.norm.get_fsdp_policy(), policies["norm"])
         self._assert_same_snapshot(snapshot, _snapshot(model), "recurse scope")
 
+    def test_fsdp_policy_scope_is_last_backward(self):
+        """``is_last_backward`` is root-wide and restored, also when the body changes it."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # is_last_backward: root-wide, restored; the body may change it too
         with block1.fsdp_policy(is_last_backward=False, recurse=False) as applied:
             self.assertEqual(applied, policies["body.1"])
@@ -552,6 +572,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
         model.set_is_last_backward(True)
         self._assert_same_snapshot(snapshot, _snapshot(model), "is_last_backward")
 
+    def test_fsdp_policy_scope_nesting(self):
+        """Nested scopes apply on top of each other and restore in order."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # Nesting
         with model.fsdp_policy(recurse=True, requires_gradient_sync=False):
             with block0.fsdp_policy(
@@ -575,6 +600,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "nesting")
 
+    def test_fsdp_policy_scope_restores_on_exception(self):
+        """On an exception every touched module is restored and the exception propagates."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # Restore on exception: every touched module, exception propagates
         class _Boom(Exception):
             pass
@@ -601,6 +631,8 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "exception")
 
+    def test_fsdp_policy_scope_around_lazy_init(self):
+        """A scope around the first iteration restores the automatic choice, resolved for the root."""
         # A scope around the first iteration (lazy init inside the body)
         # restores the automatic choice, now resolved for the root
         torch.manual_seed(0)
@@ -617,6 +649,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
             (group,) = block._get_fsdp_state()._fsdp_param_groups
             self.assertIs(group.post_forward_mesh_info, group.mesh_info)
 
+    def test_fsdp_policy_scope_collectives(self):
+        """The policy in force inside a scope is what FSDP does: no reduce-scatter under no-sync, one per group afterwards."""
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
         # The policy in force inside a scope is what FSDP does: no
         # reduce-scatter under no-sync, one per group afterwards
         counter = CollectiveCounter()
