@@ -125,7 +125,7 @@ def cmd_export(args) -> int:
     if args.run_tests:
         results_file = Path(args.results or Path(args.output) / "test-results.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
-        results = ex.run_tests(ex.group_series(series), repo, args.run_tests, results_file, series.base.version,
+        results = ex.run_tests(groups, repo, args.run_tests, results_file, series.base.version,
                                progress=_progress)
     base_files = pristine_base_files(series, args.python or args.check_stack, args.source,
                                      ex.base_prefixes(series), ex.docs_source_files(series))
