@@ -42,7 +42,9 @@ def test_documented_commands_print_the_documented_reductions():
     assert [("--no-partial-backward" in command) for command, _ in pairs] == [False, True]
     per_step = []
     for command, sample in pairs:
-        proc = _run(command)
+        # Unbuffered, as CI may run it: each write reaches the shared pipe at once,
+        # so a line written in two parts could be split by the other rank's log.
+        proc = _run(command, PYTHONUNBUFFERED="1")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == sample, (command, proc.stdout, proc.stderr)
         steps = proc.stdout.split("step ")[:-1]

@@ -76,9 +76,13 @@ def train(rank: int, world_size: int, store_path: str, args: argparse.Namespace)
         h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
         optim.step()
         optim.zero_grad()
-        dist.barrier()
         if rank == 0:
-            print(f"step {step}", file=sys.stderr, flush=True)
+            # One write, and before the barrier: rank 1 logs nothing of the next
+            # step until this line is out (``print`` writes the text and the
+            # newline separately when stderr is unbuffered).
+            sys.stderr.write(f"step {step}\n")
+            sys.stderr.flush()
+        dist.barrier()
     dist.destroy_process_group()
 
 
