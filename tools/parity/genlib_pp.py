@@ -126,8 +126,9 @@ class Pipe:
                 xs, ys = self.batch(step, d)
                 for xm, ym in zip(xs.chunk(self.n_mb), ys.chunk(self.n_mb)):
                     (loss_fn(self.ref(xm), ym) / self.dp).backward()
-            # 2.15.0 scales whatever .grad holds, every step (FSDP root stages: finalizing steps only)
-            if self.scale_grads and (self.kind != "fsdp" or kwargs.get("finalize_gradients", True)):
+            # 2.15.0 scales whatever .grad holds, every step (FSDP root stages, and container stages
+            # with 0024: finalizing steps only)
+            if self.scale_grads and (self.kind == "plain" or kwargs.get("finalize_gradients", True)):
                 for p in self.ref.parameters():
                     if p.grad is not None:
                         p.grad /= self.n_mb

@@ -79,16 +79,16 @@ class TestPipelineStepWorld2(_Base):
 
     def test_eval_with_sharded_children_accumulating(self):
         """Finding 8: a plain stage module whose children are sharded,
-        accumulating with set_requires_gradient_sync(False) across steps, can
-        run eval() (revision 2 raised on every rank); the accumulation then
-        finishes with nothing pending, and training goes on with the reference
-        gradients."""
+        accumulating with set_requires_gradient_sync(False) across
+        finalize_gradients=False steps, can run eval() (revision 2 raised on
+        every rank); the accumulation then finishes with nothing pending, and
+        training goes on with the reference gradients."""
         sched = self._build("gpipe", "children")
         blocks = [b for m in self.modules.values() for b in m.blocks]
         a, b, e = self._data(0), self._data(1), self._data(2)
         for block in blocks:
             block.set_requires_gradient_sync(False)
-        self._run_step(sched, *a)
+        self._run_step(sched, *a, finalize_gradients=False)
         self.assertTrue(any(block.has_pending_gradients() for block in blocks))
         sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
         for block in blocks:

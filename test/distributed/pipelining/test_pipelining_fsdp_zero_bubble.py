@@ -48,22 +48,9 @@ class TestPipeliningFSDPZeroBubble(GlooMultiProcessTestCase):
         over several optimizer steps (2.15.0 skipped the resharded layers'
         weights in the weight backward).
         """
-        self._train("fsdp_stage")
+        self._train()
 
-    def test_zero_bubble_container_stage_raises(self):
-        """
-        Point 4 of revision 4: a stage module that is a plain ``nn.Module``
-        whose layer is sharded (the stage itself not) cannot train with split
-        backward, as each layer is its own FSDP root and reduces before the
-        weight backward (2.15.0 and revision 3: stages 1-3 silently get no
-        weight or bias gradient). The step raises a RuntimeError that says
-        to shard the stage module on the ranks that split their backward (the
-        others fail as their peers' connections close); no rank trains on.
-        """
-        with self.assertRaisesRegex(RuntimeError, "fully_shard|by peer"):
-            self._train("container")
-
-    def _train(self, layout: str) -> None:
+    def _train(self) -> None:
         torch.manual_seed(0)
         ref_model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
         model = copy.deepcopy(ref_model)
@@ -74,8 +61,7 @@ class TestPipeliningFSDPZeroBubble(GlooMultiProcessTestCase):
         for stage_index in (pp_rank, 3 - pp_rank):  # V-shape placement
             stage_mod = nn.Sequential(model[stage_index])
             fully_shard(stage_mod[0], mesh=mesh["dp"])
-            if layout == "fsdp_stage":
-                fully_shard(stage_mod, mesh=mesh["dp"])
+            fully_shard(stage_mod, mesh=mesh["dp"])
             params.update(
                 (f"{stage_index}.{name[2:]}", p)
                 for name, p in stage_mod.named_parameters()
@@ -104,10 +90,10 @@ class TestPipeliningFSDPZeroBubble(GlooMultiProcessTestCase):
                 schedule.step()
             nn.functional.mse_loss(ref_model(x), y).backward()
             for name, param in params.items():
-                self.assertIsNotNone(param.grad, msg=f"{layout} step {step} {name}")
+                self.assertIsNotNone(param.grad, msg=f"step {step} {name}")
                 self.assertEqual(
                     param.grad.full_tensor(), ref_params[name].grad,
-                    msg=f"{layout} step {step} {name}",
+                    msg=f"step {step} {name}",
                 )
             optim.step()
             ref_optim.step()
