@@ -34,6 +34,11 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    PipelineScheduleMulti,
+)
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -55,6 +60,21 @@ MICROBATCH_SIZE = 2
 BATCH = NUM_MICROBATCHES * MICROBATCH_SIZE
 LR = 0.1
 
+class ForwardsThenBackwards(PipelineScheduleMulti):
+    """A custom schedule of one stage on one rank, written as a
+    ``pipeline_order`` that ``PipelineScheduleMulti`` runs itself."""
+
+    def __init__(self, stages, n_microbatches, loss_fn, **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+        self.pipeline_order = {
+            0: [_Action(0, _ComputationType.FORWARD, i) for i in range(n_microbatches)]
+            + [
+                _Action(0, _ComputationType.FULL_BACKWARD, i)
+                for i in range(n_microbatches)
+            ]
+        }
+
+
 # name: (schedule class, stage placement: one stage per rank, two in a loop,
 # or two in a V)
 SCHEDULES = {
@@ -66,6 +86,7 @@ SCHEDULES = {
     "zbv": (ScheduleZBVZeroBubble, "v"),
     "dualpipev": (ScheduleDualPipeV, "v"),
 }
+CUSTOM = {"custom": (ForwardsThenBackwards, "single")}
 
 
 class Block(nn.Module):
@@ -103,31 +124,41 @@ class _Base(GlooMultiProcessTestCase):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         return mesh["pp"], mesh["dp"]
 
-    def _build(self, schedule: str):
+    def _build(self, schedule: str, share_block: bool = False):
         """This rank's container stages (blocks sharded over the data-parallel
-        mesh) and their schedule, and the single-process reference."""
-        schedule_cls, placement = SCHEDULES[schedule]
+        mesh) and their schedule, and the single-process reference. With
+        ``share_block``, stage ``i + pp`` reuses stage ``i``'s first block
+        (loop placement: both on one rank)."""
+        schedule_cls, placement = {**SCHEDULES, **CUSTOM}[schedule]
         pp_mesh, dp_mesh = self._meshes()
-        pp_rank = pp_mesh.get_local_rank()
+        pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         indices = {
             "single": [pp_rank],
-            "loop": [pp_rank, pp_rank + 2],
-            "v": sorted([pp_rank, 3 - pp_rank]),
+            "loop": [pp_rank, pp_rank + pp],
+            "v": sorted([pp_rank, 2 * pp - 1 - pp_rank]),
         }[placement]
-        num_stages = 2 * len(indices)
+        num_stages = pp * len(indices)
         # Double precision: the pipeline and the reference sum the
         # microbatches' gradients in different orders
         torch.set_default_dtype(torch.float64)
         torch.manual_seed(0)
         self.reference = nn.ModuleList([ContainerStage() for _ in range(num_stages)])
+        if share_block:
+            for idx in range(pp):
+                self.reference[idx + pp].blocks[0] = self.reference[idx].blocks[0]
         self.last = num_stages - 1
         self.modules: dict[int, ContainerStage] = {}
         self.params: dict[int, list[tuple[str, nn.Parameter]]] = {}
         stages = []
-        for idx in indices:
-            module = copy.deepcopy(self.reference[idx])
+        # One copy of this rank's stage modules, so that they share what the
+        # reference's share
+        local = copy.deepcopy(nn.ModuleList([self.reference[idx] for idx in indices]))
+        self.blocks = []
+        for idx, module in zip(indices, local):
             for block in module.blocks:
-                fully_shard(block, mesh=dp_mesh)
+                if not any(block is b for b in self.blocks):
+                    fully_shard(block, mesh=dp_mesh)
+                    self.blocks.append(block)
             self.assertNotIsInstance(module, FSDPModule)
             self.modules[idx] = module
             self.params[idx] = list(module.named_parameters())
@@ -136,9 +167,13 @@ class _Base(GlooMultiProcessTestCase):
                     module, idx, num_stages, torch.device("cpu"), group=pp_mesh.get_group()
                 )
             )
-        self.blocks = [block for module in self.modules.values() for block in module.blocks]
-        target = stages[0] if placement == "single" else stages
-        return schedule_cls(target, NUM_MICROBATCHES, loss_fn=F.mse_loss)
+        target = stages[0] if placement == "single" and schedule != "custom" else stages
+        # scale_grads=False with a shared block: the schedule scales each
+        # stage's gradients, so a parameter that two local stages share is
+        # divided twice (on every torch)
+        self.scale = not share_block
+        kwargs = {} if self.scale else {"scale_grads": False}
+        return schedule_cls(target, NUM_MICROBATCHES, loss_fn=F.mse_loss, **kwargs)
 
     def _data(self, seed: int):
         # The same batch on both data-parallel ranks: FSDP's mean over them
@@ -161,13 +196,14 @@ class _Base(GlooMultiProcessTestCase):
 
     def _reference_grads(self, batches) -> None:
         """Accumulate the reference gradients of ``batches``: the mean over
-        the microbatches of each microbatch's loss (``scale_grads=True``)."""
+        the microbatches of each microbatch's loss (their sum with
+        ``scale_grads=False``)."""
         for x, y in batches:
             for xm, ym in zip(x.chunk(NUM_MICROBATCHES), y.chunk(NUM_MICROBATCHES)):
                 h = xm
                 for module in self.reference:
                     h = module(h)
-                (F.mse_loss(h, ym) / NUM_MICROBATCHES).backward()
+                (F.mse_loss(h, ym) / (NUM_MICROBATCHES if self.scale else 1)).backward()
 
     def _assert_grads_match(self, msg: str) -> None:
         for idx, params in self.params.items():
@@ -181,10 +217,10 @@ class _Base(GlooMultiProcessTestCase):
 
     def _optimizer_step(self) -> None:
         with torch.no_grad():
-            for params in self.params.values():
-                for _, p in params:
-                    p.sub_(p.grad * LR)
-                    p.grad = None
+            params = {id(p): p for ps in self.params.values() for _, p in ps}
+            for p in params.values():
+                p.sub_(p.grad * LR)
+                p.grad = None
             for p_ref in self.reference.parameters():
                 p_ref.sub_(p_ref.grad * LR)
                 p_ref.grad = None
@@ -257,6 +293,66 @@ class TestPipelineContainerStageNoSync(_Base):
             self._optimizer_step()
 
 
+    @parametrize("schedule", ["interleaved_1f1b", "looped_bfs"])
+    def test_block_shared_by_two_stages_of_a_rank(self, schedule: str):
+        """A block that two container stages of a rank share joins neither
+        (it reduces per backward) and the others accumulate: step,
+        step(finalize_gradients=False) and step raise nothing, the gradients
+        equal the reference's and the caller's policy is back, over two
+        optimizer steps."""
+        sched = self._build(schedule, share_block=True)
+        caller = [block.get_fsdp_policy() for block in self.blocks]
+        for it in range(2):
+            a, b, c = (self._data(3 * it + k) for k in range(3))
+            self._call(sched.step, a)
+            self._reference_grads([a])
+            self._assert_grads_match(f"{schedule} {it}: step")
+            self._optimizer_step()
+            self._call(sched.step, b, finalize_gradients=False)
+            self.assertEqual([block.get_fsdp_policy() for block in self.blocks], caller)
+            self._call(sched.step, c)
+            self.assertFalse(any(block.has_pending_gradients() for block in self.blocks))
+            self.assertEqual([block.get_fsdp_policy() for block in self.blocks], caller)
+            self._reference_grads([b, c])
+            self._assert_grads_match(f"{schedule} {it}: accumulate")
+            self._optimizer_step()
+
+
+class TestPipelineContainerStageCustomSchedule(_Base):
+    """FSDP over two ranks, each a pipeline of one container stage run by a
+    custom ``PipelineScheduleMulti``."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _meshes(self):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+        return mesh["pp"], mesh["dp"]
+
+    def test_custom_schedule_finalizes_the_blocks(self):
+        """PipelineScheduleMulti's own step loop finalizes the blocks after
+        the stage's last backward: step, then step(finalize_gradients=False)
+        and step, twice, reduce-scatter once per block per finalizing step
+        with the reference gradients and nothing pending."""
+        sched = self._build("custom")
+        for it in range(2):
+            a, b, c = (self._data(3 * it + k) for k in range(3))
+            self.assertEqual(self._reduce_scatters(sched.step, a), len(self.blocks))
+            self.assertFalse(any(block.has_pending_gradients() for block in self.blocks))
+            self._reference_grads([a])
+            self._assert_grads_match(f"custom {it}: step")
+            self._optimizer_step()
+            self.assertEqual(
+                self._reduce_scatters(sched.step, b, finalize_gradients=False), 0
+            )
+            self.assertEqual(self._reduce_scatters(sched.step, c), len(self.blocks))
+            self.assertFalse(any(block.has_pending_gradients() for block in self.blocks))
+            self._reference_grads([b, c])
+            self._assert_grads_match(f"custom {it}: accumulate")
+            self._optimizer_step()
+
+
 class TestPipelineContainerStageNoSyncHSDP(_Base):
     """pp 2 x replicate 2 x shard 1: each block is an HSDP module whose replica
     all-reduce moves data."""
@@ -322,6 +418,7 @@ class TestPipelineContainerStageNoSyncHSDP(_Base):
 
 instantiate_parametrized_tests(TestPipelineContainerStageNoSync)
 instantiate_parametrized_tests(TestPipelineContainerStageNoSyncHSDP)
+instantiate_parametrized_tests(TestPipelineContainerStageCustomSchedule)
 
 
 if __name__ == "__main__":
