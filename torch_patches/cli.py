@@ -8,6 +8,7 @@ a message and a non-zero exit (no tracebacks for user mistakes).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import List, Optional
@@ -402,13 +403,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status when the reader of the output went away (`status | head`): 128 + SIGPIPE, as a
+#: shell reports for a command that a closed pipe stopped.
+BROKEN_PIPE = 141
+
+
+def _stdout_gone() -> int:
+    """The reader of stdout closed the pipe: stop without a traceback (and without the one the
+    interpreter would print when it flushes stdout at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return BROKEN_PIPE
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except TorchPatchesError as exc:
-        print(f"torch-patches {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except TorchPatchesError as exc:
+            print(f"torch-patches {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
     except KeyboardInterrupt:
         print("torch-patches: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _stdout_gone()

@@ -80,15 +80,21 @@ def resolve_python(python: str) -> str:
     (:func:`.targets.installed.run_locate` runs it in the temp directory so that nothing in the
     user's directory shadows its imports), so it is made absolute here, once,
     for every caller. A virtual environment's directory stands for its
-    ``bin/python`` (``Scripts/python.exe`` on Windows). A bare name
+    ``bin/python`` (``Scripts/python.exe`` on Windows), and its ``bin`` directory
+    for the ``python`` in it. A bare name
     (``python3``) is left to the ``PATH`` lookup, as a shell does. Symlinks
     are kept: a venv's ``bin/python`` must not become the base interpreter.
     """
     path = Path(python)
     if path.is_dir():
-        for candidate in (path / "bin" / "python", path / "Scripts" / "python.exe"):
+        for candidate in (path / "bin" / "python", path / "Scripts" / "python.exe", path / "python",
+                          path / "python.exe"):
             if candidate.is_file():
                 return os.path.abspath(candidate)
+        if path.resolve().name in ("bin", "Scripts"):  # a venv's bin/ without an interpreter in it
+            raise TorchPatchesError(f"{python} is a directory without python in it; pass the interpreter, "
+                                    f"e.g. --python {path / 'python'}, or the virtual environment's directory "
+                                    f"{path.parent}")
         raise TorchPatchesError(f"{python} is a directory without bin/python; pass the interpreter, "
                                 f"e.g. --python {path / 'bin' / 'python'}")
     if os.sep in python or (os.altsep and os.altsep in python):

@@ -74,12 +74,28 @@ def _skipped_lines(skipped: List[str]) -> str:
 
 
 # -- refusals ---------------------------------------------------------------------------------
+def reinstall_command(target: Target, version: str) -> str:
+    """The command that puts the unpatched base back into ``target``'s environment: pip of the
+    target's interpreter, forced (pip counts an in-place patched torch, and a patched wheel's
+    ``2.15.0+...fsdp.N``, as ``2.15.0`` already installed)."""
+    python = getattr(target, "python", None)
+    pip = f"{python} -m pip" if python else "pip"
+    return f"`{pip} install --force-reinstall --no-deps torch=={version}`"
+
+
+def _restore_how(target: Target, version: str) -> str:
+    """How to restore files edited by hand: reinstall (an installed torch), or check them out."""
+    if target.kind == "source":
+        return "check the files out (`git checkout -- FILE`) or use a clean tree"
+    return "reinstall torch: " + reinstall_command(target, version)
+
+
 def _refuse_if_not_base(target: Target, series: Series, action: str) -> None:
     if target.kind == "wheel":
         old = target.load_marker()
         if action == "apply" and old is not None and old.same_series(series):
             return
-        reinstall = (f"`pip install --force-reinstall --no-deps torch=={series.base.version}` (a plain "
+        reinstall = (f"{reinstall_command(target, series.base.version)} (a plain "
                      f"`pip install torch=={series.base.version}` counts the installed patched build as "
                      f"{series.base.version})")
         if action == "revert":
@@ -153,7 +169,7 @@ def plan_apply(target: Target, series: Series) -> Plan:
     paths = list(dict.fromkeys([*held.paths, *(old.files if old else [])]))
     if old is not None:
         _refuse_if_changed(old, target.read_all(old.files),
-                           "Restore them (reinstall torch or check out the files) and apply again.")
+                           f"Restore them ({_restore_how(target, series.base.version)}) and apply again.")
         if old.same_series(series):
             return Plan(Outcome.NOTHING, f"already applied: {old.describe()}")
         start = _start_from_marker(target, held, old, paths)
@@ -190,7 +206,8 @@ def revert(target: Target, series: Series) -> str:
     _refuse_if_not_base(target, series, "revert")
     old = target.load_marker()
     if old is not None:
-        _refuse_if_changed(old, target.read_all(old.files), f"Reinstall torch=={series.base.version} instead.")
+        _refuse_if_changed(old, target.read_all(old.files),
+                           f"To get the base back, {_restore_how(target, series.base.version)}.")
         pristine, what = old.pristine_files(), old.describe()
     else:
         held, _ = held_series(target, series)
@@ -263,7 +280,7 @@ def patch_states(target: Target, series: Series) -> PatchStates:
     if old is not None and changed:
         summary = (f"{old.describe()} is recorded, but {len(changed)} file(s) changed since it was applied: "
                    f"{', '.join(changed)}. `apply` and `revert` refuse (and change nothing) until they are "
-                   f"restored: reinstall torch=={series.base.version} or check out the files")
+                   f"restored: {_restore_how(target, series.base.version)}")
     elif old is not None:
         summary = _other_series(old, series, target)
     elif not series.patches:

@@ -345,7 +345,7 @@ class Series:
         """
         if not 1 <= count <= len(self.patches):
             raise TorchPatchesError(f"--upto {count}: the series has {len(self.patches)} patch(es); "
-                                    f"give a number from 1 to {len(self.patches)}")
+                                    f"give a number from 1 to {len(self.patches)}", exit_code=2)  # bad usage
         return replace(self, patches=self.patches[:count])
 
     def restricted(self, keep: Callable[[str], bool]) -> "Series":

@@ -1,7 +1,7 @@
 """What the CLI says when something is off: each message names the cause and the next step."""
 
 from test_wheel import base_wheel  # noqa: F401  (the small base wheel fixture)
-from tooling import BASE, REVISION, STATE, edit, python_wrapper, run_cli, tree_digest
+from tooling import API, BASE, REVISION, STATE, edit, python_wrapper, run_cli, tree_digest
 
 
 def test_status_names_files_edited_after_apply(site, fake_python, two_patches):
@@ -11,7 +11,8 @@ def test_status_names_files_edited_after_apply(site, fake_python, two_patches):
     status = run_cli("status", "--python", fake_python, "--series", two_patches, check=0).stdout
     state = next(line for line in status.splitlines() if line.startswith("state:"))
     assert STATE in state and "1 file(s) changed since it was applied" in state, status
-    assert "`apply` and `revert` refuse" in state and f"reinstall torch=={BASE.version}" in state
+    reinstall = f"`{fake_python} -m pip install --force-reinstall --no-deps torch=={BASE.version}`"
+    assert "`apply` and `revert` refuse" in state and reinstall in state
     assert "replaces it" not in status
     for command in ("apply", "revert"):
         out = run_cli(command, "--python", fake_python, "--series", two_patches)
@@ -97,3 +98,116 @@ def test_help_lists_exit_codes_and_cache(tmp_path):
                    "--abi", "--implementation"):
         assert option in wheel_help
 
+
+
+# -- issue 36, point 5: each message from another working directory, with relative paths --------
+def _rel(path, cwd) -> str:
+    import os
+    return os.path.relpath(path, cwd)
+
+
+def _elsewhere(tmp_path):
+    cwd = tmp_path / "elsewhere" / "deeper"
+    cwd.mkdir(parents=True, exist_ok=True)
+    return cwd
+
+
+def _install_wheel(wheel, tmp_path):
+    """``pip install --target`` of a (small, patched) wheel; an interpreter whose torch it is."""
+    import subprocess
+    import sys
+
+    from torch_patches.wheel.fetch import pip_env
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                    "--target", str(target), str(wheel)], env=pip_env(), check=True, capture_output=True)
+    return python_wrapper(target, tmp_path / "wheel-venv" / "bin" / "python")
+
+
+def test_wheel_base_already_patched(base_wheel, one_patch, tmp_path):  # noqa: F811
+    """A patched wheel given as --base: one message saying so and naming the base to use, not
+    one blob-id mismatch line per file."""
+    cwd = _elsewhere(tmp_path)
+    run_cli("wheel", "--base", _rel(base_wheel, cwd), "-o", "dist", "--series", _rel(one_patch, cwd),
+            check=0, cwd=cwd)
+    patched = next((cwd / "dist").glob("*.whl"))
+    out = run_cli("wheel", "--base", _rel(patched, cwd), "-o", "dist2", "--series", _rel(one_patch, cwd), cwd=cwd)
+    assert out.returncode == 3, (out.stdout, out.stderr)
+    assert f"{_rel(patched, cwd)} is already a patched wheel" in out.stderr, out.stderr
+    assert f"--base takes the unpatched torch {BASE.version} wheel it was built from" in out.stderr
+    assert f"pip download --no-deps torch=={BASE.version}` ({base_wheel.name})" in out.stderr
+    assert "blob" not in out.stderr and len(out.stderr.splitlines()) == 1 and "Nothing was written" in out.stderr
+    assert not (cwd / "dist2").exists()
+
+
+def test_python_bin_directory(fake_python, one_patch, tmp_path):
+    """--python VENV/bin is accepted (its python); a bin/ without one is named, never VENV/bin/bin/python."""
+    cwd = _elsewhere(tmp_path)
+    bin_dir = _rel(tmp_path / "bin", cwd)  # fake_python is tmp_path/bin/python
+    out = run_cli("status", "--python", bin_dir, "--series", _rel(one_patch, cwd), check=0, cwd=cwd).stdout
+    assert "pinned base: yes" in out
+    (tmp_path / "empty-venv" / "bin").mkdir(parents=True)
+    empty = _rel(tmp_path / "empty-venv" / "bin", cwd)
+    out = run_cli("status", "--python", empty, "--series", _rel(one_patch, cwd), cwd=cwd)
+    assert out.returncode == 1 and "bin/bin" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f"e.g. --python {empty}/python, or the virtual environment's directory {empty[:-4]}" in out.stderr
+
+
+def test_status_into_closed_pipe(fake_python, one_patch, tmp_path):
+    """`status | head`: the reader goes away before the output is written; no BrokenPipeError
+    traceback, exit status 141 (128 + SIGPIPE), as docs/tooling.md says."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from tooling import REPO
+    cwd = _elsewhere(tmp_path)
+    cmd = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "torch_patches", "status", "--python",
+                                            _rel(fake_python, cwd), "--series", _rel(one_patch, cwd)))
+    proc = subprocess.run(["bash", "-c", f"{cmd} | (exit 0); echo \"status=${{PIPESTATUS[0]}}\" >&2"],
+                          capture_output=True, text=True, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "status=141", proc.stderr
+    assert "exit\nstatus 141" in (REPO / "docs" / "tooling.md").read_text() or \
+        "exit status 141" in " ".join((REPO / "docs" / "tooling.md").read_text().split())
+
+
+def test_apply_on_patched_wheel_torch_as_documented(base_wheel, one_patch, two_patches, tmp_path):  # noqa: F811
+    """docs/tooling.md and behaviour agree: apply of the series a patched wheel carries exits 0
+    ("already applied"), apply of another series and revert exit 3, changing nothing."""
+    from tooling import REPO
+    cwd = _elsewhere(tmp_path)
+    run_cli("wheel", "--base", base_wheel, "-o", "dist", "--series", one_patch, check=0, cwd=cwd)
+    python = _rel(_install_wheel(next((cwd / "dist").glob("*.whl")), tmp_path), cwd)
+    before = tree_digest(tmp_path / "target")
+    out = run_cli("apply", "--python", python, "--series", _rel(one_patch, cwd), check=0, cwd=cwd)
+    assert out.stdout.startswith("already applied: torch ") and "installed from the patched wheel" in out.stdout
+    assert run_cli("apply", "--python", python, "--series", _rel(two_patches, cwd), check=3, cwd=cwd)
+    assert run_cli("revert", "--python", python, "--series", _rel(one_patch, cwd), check=3, cwd=cwd)
+    assert tree_digest(tmp_path / "target") == before
+    doc = " ".join((REPO / "docs" / "tooling.md").read_text().split())
+    assert "installed from the patched wheel` and exits 0, changing nothing" in doc
+    assert "`apply` of another series, and `revert`, do not change such a torch in place (exit 3)" in doc
+
+
+def test_upto_out_of_range_is_bad_usage(fake_python, one_patch, tmp_path):
+    cwd = _elsewhere(tmp_path)
+    for n in ("99", "0"):
+        out = run_cli("apply", "--upto", n, "--python", _rel(fake_python, cwd), "--series", _rel(one_patch, cwd),
+                      cwd=cwd)
+        assert out.returncode == 2 and f"--upto {n}: the series has 1 patch(es)" in out.stderr, out.stderr
+
+
+def test_revert_after_hand_edit_prints_reinstall_command(site, fake_python, one_patch, tmp_path):
+    """As the patched-wheel message does: the exact command, with the target's interpreter."""
+    import os
+    cwd = _elsewhere(tmp_path)
+    python, series = _rel(fake_python, cwd), _rel(one_patch, cwd)
+    run_cli("apply", "--python", python, "--series", series, check=0, cwd=cwd)
+    (site / API).write_bytes(edit((site / API).read_bytes(), "by hand"))
+    before = tree_digest(site)
+    out = run_cli("revert", "--python", python, "--series", series, cwd=cwd)
+    command = f"`{os.path.abspath(fake_python)} -m pip install --force-reinstall --no-deps torch=={BASE.version}`"
+    assert out.returncode == 1 and API in out.stderr and command in out.stderr, out.stderr
+    assert "Nothing was changed." in out.stderr and tree_digest(site) == before

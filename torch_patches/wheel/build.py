@@ -77,8 +77,31 @@ class _BaseWheel:
         return None if entry is None else read_member(self.fh, entry)
 
 
+def _already_patched(wheel: _BaseWheel, series: Series) -> Optional[str]:
+    """What to say when ``wheel`` is itself a patched wheel (it holds the series marker):
+    the unpatched base it was built from, and where to get it."""
+    raw = wheel.read(f"{wheel.dist_info}/{MARKER_NAME}")
+    if raw is None:
+        return None
+    try:
+        marker = Marker.from_bytes(raw, str(wheel.path))
+        what, base_name = marker.describe(), marker.base_wheel
+    except TorchPatchesError:
+        what, base_name = "a series", None
+    version = series.base.version
+    cached = cache_dir() / base_name if base_name else None
+    where = (f"the cached {cached}" if cached is not None and cached.is_file()
+             else f"`pip download --no-deps torch=={version}`" + (f" ({base_name})" if base_name else ""))
+    return (f"{wheel.path} is already a patched wheel (torch {wheel.version}, {what} applied); --base takes "
+            f"the unpatched torch {version} wheel it was built from: {where}, or leave --base out to use the "
+            f"cached base (downloaded if missing). Nothing was written")
+
+
 def _check_base(wheel: _BaseWheel, series: Series) -> None:
-    """Refuse (exit 3) a wheel that is not the series' pinned base."""
+    """Refuse (exit 3) a wheel that is not the series' pinned base, or is already patched."""
+    patched = _already_patched(wheel, series)
+    if patched:
+        raise TorchPatchesError(patched, 3)
     version, git_version = wheel.version, wheel.version_py.get("git_version")
     if public_version(version) != series.base.version or git_version != series.base.git_version:
         raise TorchPatchesError(
