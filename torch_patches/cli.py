@@ -149,6 +149,27 @@ def cmd_export(args) -> int:
     return status
 
 
+def cmd_changes(args) -> int:
+    """Print (or write, or check) the what-changes table generated from the series."""
+    from pathlib import Path
+
+    from .changes import COMMAND, render
+    text = render(_series(args))
+    if args.check:
+        path = Path(args.check)
+        current = path.read_text(encoding="utf-8") if path.is_file() else None
+        if current != text:
+            raise TorchPatchesError(f"{path} is {'missing' if current is None else 'stale'}: the series changed "
+                                    f"since it was generated; regenerate it with `{COMMAND}`")
+        print(f"{path} is up to date")
+    elif args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_torchtitan(args) -> int:
     from . import consumers
     return consumers.run_cli(args)
@@ -375,6 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recheck", metavar="PR[,PR...]", help="with --check-stack: check only these PRs (their "
                    "directory names, e.g. 203177,new-0015) and keep the other PRs' results from --stack-results")
     p.set_defaults(func=cmd_export)
+    p = verb("changes", "print the table of what each patch changes (generated from the series)",
+             "Print a Markdown table with one row per patch of the series: the files it touches, the\n"
+             "public names it adds (its subject and the public def/class lines it adds), whether code\n"
+             "that calls no new API can see it (the series' changes.ini, one line per patch), and its PR.\n"
+             "docs/what-changes.md is this output; --check compares a file with it.",
+             _epilog((0, 1, 2), c1="error: a patch has no line in changes.ini, or --check: the file differs"))
+    p.add_argument("-o", "--output", metavar="FILE", help="write the table to FILE instead of printing it")
+    p.add_argument("--check", metavar="FILE", help="exit 1 (and say how to regenerate it) if FILE is not the "
+                   "table the series gives now")
+    p.set_defaults(func=cmd_changes)
     p = verb(
         "torchtitan", "apply/revert/status/export the torchtitan consumer series",
         "The torchtitan consumer series (its ChunkedLossWrapper on the FSDP lifecycle APIs)\n"

@@ -19,7 +19,7 @@ LAYERS = [
     {"series"},
     {"state", "marker"},
     {"targets", "wheel", "upstream", "consumers"},
-    {"ops"},
+    {"ops", "changes"},
     {"stackcheck"},
     {"cli"},
     {"__main__"},
