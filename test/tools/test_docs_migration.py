@@ -22,6 +22,7 @@ from tooling import REPO
 
 SCRIPT = REPO / "tools" / "examples" / "migration.py"
 RESULTS = REPO / "tools" / "bench" / "results" / "migration.json"
+PRISTINE = REPO / "tools" / "bench" / "results" / "migration-pristine.json"
 DOC = REPO / "docs" / "migration.md"
 #: Known idioms beyond torch_patches.consumers.PRIVATE_FSDP_NAMES.
 MORE_NAMES = ("_post_backward_pending", "_fsdp_param_groups", "_register_pre_backward_hook", "_training_state",
@@ -85,7 +86,7 @@ def test_what_the_doc_says(fresh):
     for name in ("complete", "policy", "finish-trainable", "finish-frozen"):  # same collectives
         assert train[name]["before"]["rs"] == train[name]["after"]["rs"], name
         assert train[name]["before"]["ag"] == train[name]["after"]["ag"], name
-    layers, groups = 2, 4  # the blocks, the head group, the root
+    groups = 4  # 2 blocks, the head group, the root
     assert train["finish-trainable"]["after"]["rs"] == [groups * 2] * 2  # once per group and microbatch
     assert train["finish-full"]["after"]["rs"] == [(groups + 1) * 2] * 2  # the head group twice
     assert sum(train["finish-full"]["before"]["ag"]) < sum(train["finish-full"]["after"]["ag"])
@@ -98,7 +99,17 @@ def test_what_the_doc_says(fresh):
         assert query[name]["before"] == query[name]["after"], name
     assert query["pending"]["after"]["no_sync_microbatch"] is True
     assert query["pending"]["after"]["reducing_microbatch"] is False
-    assert layers == 2
+
+
+def test_before_snippets_behave_as_on_2_15_0(fresh):
+    """The recorded pristine-2.15.0 run of the before snippets that need nothing of the series
+    (docs/migration.md, "Measured") gave what they give on the patched torch now."""
+    pristine = json.loads(PRISTINE.read_text())
+    assert pristine["setup"]["sides"] == ["before"] and "+" in pristine["setup"]["torch"]
+    assert sorted(pristine["train"]) == ["complete", "finish-full", "setters"]
+    for name, pair in pristine["train"].items():
+        for key in ("rs", "ag", "max_diff"):
+            assert pair["before"][key] == fresh["train"][name]["before"][key], (name, key)
 
 
 def _torchtitan_private_names():

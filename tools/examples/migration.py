@@ -81,7 +81,7 @@ def _diff(d):
     return "0" if d == 0 else "<1e-12" if d < 1e-12 else f"{d:.1e}"
 
 
-def run(rank, store_path, out_path):
+def run(rank, store_path, out_path, programs=(), sides=("before", "after")):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -158,10 +158,16 @@ def run(rank, store_path, out_path):
             for n, fn in originals.items():
                 setattr(dist, n, fn)
 
+    patched = hasattr(FSDPModule, "get_fsdp_policy")  # --programs on a pristine 2.15.0 measures less
+
     def policies(model):
+        if not patched:
+            return None
         return [m.get_fsdp_policy() for m in model.modules() if isinstance(m, FSDPModule)]
 
     def gathered_bytes(module):
+        if not patched:
+            return None
         return sum(p.numel() * p.element_size() for p in module.unsharded_parameters()
                    if p.untyped_storage().size() > 0)
 
@@ -178,13 +184,13 @@ def run(rank, store_path, out_path):
             before = policies(model)
             counts = collections.Counter()
             with ex.count_collectives(counts), sample_at_collectives(lambda: peak.__setitem__(
-                    0, max(peak[0], gathered_bytes(model)))):
+                    0, max(peak[0], gathered_bytes(model) or 0))):
                 if "step" in ns:
                     ns["step"](model, batches, CHUNKS)
                 else:
                     for tokens, labels in batches:
                         ns["microbatch"](model, tokens, labels, CHUNKS)
-            result["policy_kept"].append(policies(model) == before)
+            result["policy_kept"].append(policies(model) == before if patched else None)
             for key in ("rs", "ag", "ar"):
                 result[key].append(counts[key])
             optim.step()
@@ -201,7 +207,7 @@ def run(rank, store_path, out_path):
             ref_optim.zero_grad()
             ours = [p.full_tensor() for p in model.parameters()]
             result["max_diff"].append(max((a - b).abs().max().item() for a, b in zip(ours, reference.parameters())))
-        result["peak_gathered_bytes"] = peak[0]
+        result["peak_gathered_bytes"] = peak[0] if patched else None
         result["max_diff"] = [_diff(d) for d in result["max_diff"]]
         return result
 
@@ -266,8 +272,10 @@ def run(rank, store_path, out_path):
 
     results = {"train": {}, "query": {}}
     for name, pair in sorted(blocks.items()):
+        if programs and name not in programs:
+            continue
         for side in ("before", "after"):
-            if side not in pair:
+            if side not in pair or side not in sides:
                 continue
             if name in TRAIN:
                 results["train"].setdefault(name, {})[side] = train(pair[side], *TRAIN[name])
@@ -275,7 +283,7 @@ def run(rank, store_path, out_path):
                 results["query"].setdefault(name, {})[side] = queries(pair[side], name)
             dist.barrier()
     if rank == 0:
-        results["setup"] = {"world_size": WORLD, "steps": STEPS, "microbatches": MICROBATCHES, "chunks": CHUNKS,
+        results["setup"] = {"programs": sorted(programs) or "all", "sides": list(sides), "world_size": WORLD, "steps": STEPS, "microbatches": MICROBATCHES, "chunks": CHUNKS,
                             "dtype": "float64", "model": "tools/examples/chunked_loss.py Transformer",
                             "torch": torch.__version__}
         Path(out_path).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
@@ -324,12 +332,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("-o", "--output", default="migration.json", help="result file (JSON)")
     parser.add_argument("--render", action="store_true", help="rewrite docs/migration.md's measured block from it")
+    parser.add_argument("--programs", default="", help="comma-separated snippet ids (default: all)")
+    parser.add_argument("--before-only", action="store_true",
+                        help="run only the before snippets (on a pristine 2.15.0: --programs setters,complete)")
     args = parser.parse_args()
+    programs = tuple(p for p in args.programs.split(",") if p)
+    sides = ("before",) if args.before_only else ("before", "after")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run, args=(os.path.join(tmp, "store"), os.path.abspath(args.output)), nprocs=WORLD,
-                           start_method="fork")
+        mp.start_processes(run, args=(os.path.join(tmp, "store"), os.path.abspath(args.output), programs, sides),
+                           nprocs=WORLD, start_method="fork")
     results = json.loads(Path(args.output).read_text())
     if args.render:
+        assert not programs and not args.before_only, "--render needs a run of every snippet"
         render_into_doc(results)
     print(f"wrote {args.output}" + (f" and the measured block of {DOC.relative_to(REPO)}" if args.render else ""))
     return 0
