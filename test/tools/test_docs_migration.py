@@ -90,6 +90,13 @@ def test_what_the_doc_says(fresh):
     assert train["finish-trainable"]["after"]["rs"] == [groups * 2] * 2  # once per group and microbatch
     assert train["finish-full"]["after"]["rs"] == [(groups + 1) * 2] * 2  # the head group twice
     assert sum(train["finish-full"]["before"]["ag"]) < sum(train["finish-full"]["after"]["ag"])
+    loop = train["finish-loop"]  # without a scope: finish_forward reshards between the chunks
+    assert loop["before"]["rs"] == loop["after"]["rs"] and sum(loop["after"]["rs"]) > sum(
+        train["finish-trainable"]["after"]["rs"])
+    assert sum(loop["before"]["ag"]) < sum(loop["after"]["ag"])
+    assert loop["before"]["peak_gathered_bytes"] > loop["after"]["peak_gathered_bytes"]
+    for name in ("finish-trainable", "finish-frozen"):  # inside a scope: nothing measurable
+        assert train[name]["before"] == train[name]["after"], name
     assert train["policy"]["after"]["rs"] == [groups] * 2  # once per group and step
     without, with_ = query["finish-eval"]["before"], query["finish-eval"]["after"]
     assert without["post_forward_order_after_each_eval"] == [0, 1, 2]

@@ -50,6 +50,7 @@ TRAIN = {
     "finish-trainable": ("grouped", False),
     "finish-frozen": ("grouped", True),
     "finish-full": ("grouped", False),
+    "finish-loop": ("grouped", False),
 }
 #: Evaluation programs: three no_grad batches of ``evaluate(model, tokens, num_chunks)`` between training steps.
 EVAL = ("eval", "finish-eval")
