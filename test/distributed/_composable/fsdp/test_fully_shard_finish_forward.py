@@ -159,6 +159,42 @@ class TestFullyShardFinishForward(GlooMultiProcessTestCase):
             self.assertIsNone(model._get_fsdp_state()._state_ctx.iter_forward_root)
 
 
+    def test_docstring_evaluation_sentence_holds(self):
+        """
+        ``finish_forward``'s docstring describes its ``torch.no_grad()``
+        bookkeeping exactly where the stack below it makes that true: with it,
+        an evaluation loop whose per-chunk calls it completes leaves no
+        post-forward order entry behind; without it (the evaluation bound is
+        a later PR), the loop records the order like any forward. Revision 4
+        said "only reshards and clears the bookkeeping" in this PR, where five
+        evaluation batches left 35 entries.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        documented = "torch.no_grad()" in (FSDPModule.finish_forward.__doc__ or "")
+        torch.manual_seed(42)
+        model = Transformer()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard([model.norm, model.lm_head])
+        fully_shard(model)
+        gen = torch.Generator().manual_seed(self.rank)
+        with torch.no_grad():
+            for _ in range(5):
+                tokens = torch.randint(
+                    0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=gen
+                )
+                h = model(tokens)
+                for c in h.chunk(NUM_CHUNKS, dim=1):
+                    model.lm_head.finish_forward(model.lm_head(c))
+        num_entries = len(model._get_fsdp_state()._comm_ctx.post_forward_order)
+        self.assertEqual(
+            documented,
+            num_entries == 0,
+            f"docstring describes torch.no_grad(): {documented}; post-forward "
+            f"order entries after 5 evaluation batches: {num_entries}",
+        )
+
 instantiate_parametrized_tests(TestFullyShardFinishForward)
 
 

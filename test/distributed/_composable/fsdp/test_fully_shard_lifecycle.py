@@ -746,6 +746,80 @@ class TestFullyShardPartialBackwardLifecycle(
             self.assertTrue(torch.equal(grad, clean_grads[name]), name)
         self._assert_idle(model)
 
+    def test_failed_chunk_backward_refusal_names_reset(self):
+        """
+        After an exception inside a chunk's backward (after FSDP's pre-backward
+        ran), entering the next microbatch's scope raises ``RuntimeError``
+        naming the recovery, ``reset_iter_state()`` on the root; with it, each
+        step matches a float64 reference over several optimizer steps.
+        Revision 4's refusal ("while a backward is pending") named none.
+        """
+        self.run_subtests(
+            {"layout": ["separate", "grouped"]},
+            self._test_failed_chunk_backward_refusal_names_reset,
+        )
+
+    def _test_failed_chunk_backward_refusal_names_reset(self, layout: str):
+        mesh = self._mesh()
+        model, ref = _make_models(layout, "full", norm_in_forward=True, mesh=mesh)
+        ref = ref.double()
+        optim = torch.optim.SGD(model.parameters(), lr=LR)
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+
+        def raise_injected(grad: torch.Tensor) -> None:
+            raise _InjectedError
+
+        for step in range(NUM_STEPS):
+            tokens, labels = _make_data(self.rank + 100 * step)
+            # Microbatch 0 fails inside its second chunk's backward
+            h = model(tokens[0])
+            h_chunks = [c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)]
+            with self.assertRaises(_InjectedError):
+                with model.lm_head.partial_backward():
+                    for i, (h_chunk, label_chunk) in enumerate(
+                        zip(h_chunks, labels[0].chunk(NUM_CHUNKS, dim=1))
+                    ):
+                        logits = model.lm_head.finish_forward(model.head(h_chunk))
+                        if i == 1:
+                            h_chunk.register_hook(raise_injected)
+                        _loss(logits, label_chunk).backward()
+            # The next microbatch's scope refuses and names the recovery
+            model(tokens[1])
+            with self.assertRaisesRegex(
+                RuntimeError, r"reset_iter_state\(\) on the root"
+            ):
+                with model.lm_head.partial_backward():
+                    pass
+            model.reset_iter_state()
+            for mb in range(1, NUM_MICROBATCHES):
+                _chunked_loss_step(model, tokens[mb], labels[mb])
+            self._reference_step(ref, tokens[1:], labels[1:])
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                torch.testing.assert_close(
+                    param.grad.full_tensor().double(),
+                    ref_param.grad,
+                    atol=ATOL,
+                    rtol=RTOL,
+                    msg=lambda m, name=name: f"step {step}: grad of {name}: {m}",
+                )
+            optim.step()
+            ref_optim.step()
+            optim.zero_grad()
+            ref_optim.zero_grad()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                torch.testing.assert_close(
+                    param.full_tensor().double(),
+                    ref_param.detach(),
+                    atol=ATOL,
+                    rtol=RTOL,
+                    msg=lambda m, name=name: f"step {step}: {name}: {m}",
+                )
+            self._assert_idle(model)
+
     def test_misuse_raises_without_state_change(self):
         """
         Nesting on the same root, use before lazy init, use during backward

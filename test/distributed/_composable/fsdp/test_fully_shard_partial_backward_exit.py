@@ -9,10 +9,15 @@ The models and the test mixin are those of test_fully_shard_lifecycle.py.
 Every multi-process test runs gloo on CPU through ``GlooMultiProcessTestCase``.
 """
 
+import copy
 import os
 import sys
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -31,17 +36,24 @@ from fsdp_lifecycle_testing import (  # noqa: E402
     random_token_microbatches,
 )
 from test_fully_shard_lifecycle import (  # noqa: E402
-    BATCH_SIZE,
-    LR,
-    NUM_MICROBATCHES,
-    SEQ_LEN,
-    VOCAB_SIZE,
-    _LifecycleTestMixin,
-    _Recorder,
     _chunked_loss_step,
+    _DecoderBackwardProbe,
     _head_group,
+    _LifecycleTestMixin,
+    _loss,
     _make_models,
     _microbatch_policy,
+    _Recorder,
+    _unsharded_bytes,
+    BATCH_SIZE,
+    HEAD_LAYOUTS,
+    LR,
+    NUM_CHUNKS,
+    NUM_MICROBATCHES,
+    NUM_STEPS,
+    SEQ_LEN,
+    Transformer,
+    VOCAB_SIZE,
 )
 
 
@@ -157,6 +169,279 @@ class TestFullyShardPartialBackwardExit(_LifecycleTestMixin, GlooMultiProcessTes
 
 
 instantiate_parametrized_tests(TestFullyShardPartialBackwardExit)
+
+
+# Programs of :class:`TestFullyShardPartialBackwardReach`: the non-chunked
+# program, and the chunked one with the scope on ``lm_head`` or on the root
+PROGRAMS = ("full", "lm_head", "root")
+
+
+def _make_rootless_models(layout: str, mesh) -> tuple[Transformer, Transformer]:
+    """
+    Returns ``(model, ref)`` for ``layout``, with every top-level module
+    sharded on its own or in the head group, so that the root's group holds no
+    parameters (a root group stays gathered after a forward without backward,
+    with or without a scope), and a float64 copy.
+    """
+    torch.manual_seed(42)
+    model = Transformer(norm_in_forward=True)
+    if layout == "tied":
+        model.lm_head.weight = model.tok_embeddings.weight
+    ref = copy.deepcopy(model).double()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    head_names = HEAD_LAYOUTS[layout]
+    head_modules = [model.get_submodule(n) for n in head_names]
+    fully_shard(head_modules if len(head_modules) > 1 else head_modules[0], mesh=mesh)
+    for name in ("tok_embeddings", "norm"):
+        if name not in head_names:
+            fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, ref
+
+
+def _head_call(model: Transformer, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head.finish_forward(model.lm_head(h))
+
+
+def _microbatch(
+    model: Transformer,
+    program: str,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    skip_backward: bool = False,
+    metric_call: bool = False,
+) -> None:
+    """
+    One microbatch of ``program``. ``skip_backward`` computes the losses and
+    runs no backward (a guard that drops the microbatch); ``metric_call``
+    first calls the head once with grad enabled on the last position and
+    detaches the result.
+    """
+    h = model(tokens)
+    if metric_call:
+        _head_call(model, h[:, -1:]).detach()
+    if program == "full":
+        loss = _loss(_head_call(model, h), labels)
+        if not skip_backward:
+            loss.backward()
+        return
+    h_chunks = [c.detach().requires_grad_() for c in h.chunk(NUM_CHUNKS, dim=1)]
+    scope_module = model if program == "root" else model.lm_head
+    with scope_module.partial_backward():
+        for h_chunk, label_chunk in zip(h_chunks, labels.chunk(NUM_CHUNKS, dim=1)):
+            loss = _loss(_head_call(model, h_chunk), label_chunk)
+            if skip_backward:
+                break
+            loss.backward()
+    if not skip_backward:
+        h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
+
+
+def _eval_microbatch(model: Transformer, program: str, tokens: torch.Tensor) -> None:
+    """A ``torch.no_grad()`` evaluation of ``program``'s head calls."""
+    with torch.no_grad():
+        h = model(tokens)
+        if program == "full":
+            _head_call(model, h)
+            return
+        scope_module = model if program == "root" else model.lm_head
+        with scope_module.partial_backward():
+            for h_chunk in h.chunk(NUM_CHUNKS, dim=1):
+                _head_call(model, h_chunk)
+
+
+def _held_bytes(model: Transformer) -> int:
+    """Unsharded parameter and gradient bytes that every group holds."""
+    return sum(sum(_unsharded_bytes(g)) for g in fsdp_param_groups(model))
+
+
+class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
+    """
+    What a ``partial_backward()`` exit finishes is decided by what the outer
+    backward will reach, for separate, grouped and tied heads, with the scope
+    on ``lm_head`` and on the root, against the non-chunked program on the
+    same torch and a float64 single-process reference over several optimizer
+    steps:
+
+    - A microbatch whose chunk losses are computed but whose backwards are all
+      skipped (a loss guard), and a ``torch.no_grad()`` evaluation chunk loop,
+      leave every group as the non-chunked program does: nothing gathered at
+      ``optimizer.step()`` or after the evaluation. Revision 4 left the head
+      gathered (2048 B): the next step's head forward skipped its all-gather
+      and used the pre-step weights (gradient error 5.7e-03).
+    - A grad-enabled head call on the last position before the scope, whose
+      output is detached, does not make the outer backward reach a separate
+      head: during the decoder backward the head holds what it holds in the
+      non-chunked program and its reduce-scatter was issued as often.
+      Revision 4 kept 2048 B + 2048 B and issued it in the final callback.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _mesh(self):
+        return init_device_mesh("cpu", (self.world_size,))
+
+    def _reference_step(
+        self, ref: Transformer, tokens: list[torch.Tensor], labels: list[torch.Tensor]
+    ) -> None:
+        """Every rank's ``tokens`` through the float64 ``ref``, full logits."""
+        all_tokens: list[Any] = [None] * self.world_size
+        all_labels: list[Any] = [None] * self.world_size
+        dist.all_gather_object(all_tokens, tokens)
+        dist.all_gather_object(all_labels, labels)
+        for rank_tokens, rank_labels in zip(all_tokens, all_labels):
+            for mb_tokens, mb_labels in zip(rank_tokens, rank_labels):
+                loss = _loss(ref.lm_head(ref(mb_tokens)), mb_labels)
+                (loss / self.world_size).backward()
+
+    def _assert_close_to_reference(
+        self, model: Transformer, ref: Transformer, what: str, where: str
+    ) -> None:
+        for (name, param), ref_param in zip(
+            model.named_parameters(), ref.parameters(), strict=True
+        ):
+            actual = param.grad if what == "grad" else param
+            expected = ref_param.grad if what == "grad" else ref_param
+            torch.testing.assert_close(
+                actual.full_tensor().double(),
+                expected.detach(),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, name=name: f"{where}: {what} of {name}: {m}",
+            )
+
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_scope_without_backward(self, layout: str):
+        mesh = self._mesh()
+        models, ref = {}, None
+        for program in PROGRAMS:
+            models[program], ref = _make_rootless_models(layout, mesh)
+        optims = {
+            p: torch.optim.SGD(m.parameters(), lr=LR) for p, m in models.items()
+        }
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        num_steps = 3
+        for step in range(num_steps):
+            tokens, labels = random_token_microbatches(
+                100 * step + self.rank, 3, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
+            )
+            held: dict[str, list[int]] = {}
+            for program, model in models.items():
+                # Microbatch 0 trains; microbatch 1 is dropped before any
+                # backward (reducing, as the last microbatch of the step)
+                _microbatch(model, program, tokens[0], labels[0])
+                _microbatch(model, program, tokens[1], labels[1], skip_backward=True)
+                held[program] = [_held_bytes(model)]
+            self._reference_step(ref, tokens[:1], labels[:1])
+            for program, model in models.items():
+                where = f"step {step}, {program}"
+                self._assert_close_to_reference(model, ref, "grad", where)
+                optims[program].step()
+                optims[program].zero_grad()
+                # An evaluation chunk loop between optimizer steps
+                _eval_microbatch(model, program, tokens[2])
+                held[program].append(_held_bytes(model))
+            ref_optim.step()
+            ref_optim.zero_grad()
+            for program, model in models.items():
+                where = f"step {step}, {program}"
+                self._assert_close_to_reference(model, ref, "param", where)
+                # At optimizer.step and after evaluation, as without chunking
+                self.assertEqual(held[program], held["full"], where)
+            self.assertEqual(held["full"], [0, 0])
+
+    @parametrize("layout", list(HEAD_LAYOUTS))
+    def test_detached_head_call_outside_scope(self, layout: str):
+        mesh = self._mesh()
+        # (program, whether each microbatch makes the detached head call)
+        runs = [("full", True)] + [(p, c) for p in PROGRAMS[1:] for c in (True, False)]
+        models, ref = {}, None
+        for run in runs:
+            models[run], ref = _make_rootless_models(layout, mesh)
+        optims = {r: torch.optim.SGD(m.parameters(), lr=LR) for r, m in models.items()}
+        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
+        recorders = {r: _Recorder(m) for r, m in models.items()}
+        probes = {
+            r: _DecoderBackwardProbe(m, _head_group(m), recorders[r])
+            for r, m in models.items()
+        }
+        for step in range(NUM_STEPS):
+            tokens, labels = random_token_microbatches(
+                100 * step + self.rank, NUM_MICROBATCHES, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
+            )
+            # Per microbatch, during each decoder block's backward: the head's
+            # unsharded parameter and gradient bytes and its reduce-scatters
+            samples: dict[tuple[str, bool], list[list[tuple[int, int, int]]]] = {}
+            for (program, metric_call), model in models.items():
+                recorder, probe = recorders[program, metric_call], probes[program, metric_call]
+                head = _head_group(model)
+                with recorder.record():
+                    for mb in range(NUM_MICROBATCHES):
+                        probe.samples.clear()
+                        probe.start = recorder.reduce_scatters[head]
+                        # No-sync microbatches, then a reducing one
+                        with _microbatch_policy(model, "on", mb):
+                            _microbatch(
+                                model,
+                                program,
+                                tokens[mb],
+                                labels[mb],
+                                metric_call=metric_call,
+                            )
+                        samples.setdefault((program, metric_call), []).append(
+                            list(probe.samples)
+                        )
+            self._reference_step(ref, tokens, labels)
+            for run, model in models.items():
+                self._assert_close_to_reference(model, ref, "grad", f"step {step}, {run}")
+                optims[run].step()
+                optims[run].zero_grad()
+            ref_optim.step()
+            ref_optim.zero_grad()
+            for run, model in models.items():
+                self._assert_close_to_reference(model, ref, "param", f"step {step}, {run}")
+
+            def position(samples):
+                # Bytes held and whether the head's reduction was issued. The
+                # tied group is reduced at the embedding's backward, after the
+                # decoder's (the non-chunked program also reduces the head's
+                # share when autograd leaves ``lm_head``): compare its weight
+                return [
+                    [s[0] if layout == "tied" else (s[0], s[1], s[2] > 0) for s in mb]
+                    for mb in samples
+                ]
+
+            for program in PROGRAMS[1:]:
+                where = f"step {step}, {program}"
+                # The detached call changes nothing
+                self.assertEqual(
+                    samples[program, True], samples[program, False], where
+                )
+                self.assertEqual(
+                    position(samples[program, True]),
+                    position(samples["full", True]),
+                    where,
+                )
+            if layout == "separate":
+                # Resharded and, on the reducing microbatch, reduced before
+                # the decoder backward, as without chunking
+                num_layers = len(ref.layers)
+                head_grad_bytes = ref.lm_head.weight.numel() * 4
+                for program in PROGRAMS:
+                    self.assertEqual(
+                        samples[program, True],
+                        [[(0, head_grad_bytes, 0)] * num_layers]
+                        * (NUM_MICROBATCHES - 1)
+                        + [[(0, 0, 1)] * num_layers],
+                        program,
+                    )
+
+
+instantiate_parametrized_tests(TestFullyShardPartialBackwardReach)
 
 
 if __name__ == "__main__":

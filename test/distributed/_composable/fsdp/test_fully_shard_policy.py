@@ -552,7 +552,11 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self._assert_same_snapshot(snapshot, _snapshot(model), "recurse scope")
 
     def test_fsdp_policy_scope_is_last_backward(self):
-        """``is_last_backward`` is root-wide and restored, also when the body changes it."""
+        """
+        ``is_last_backward`` is root-wide: a scope that sets it restores it,
+        also when the body changes it; a scope that does not set it leaves
+        the body's change.
+        """
         (
             model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
         ) = self._scope_setup()
@@ -564,8 +568,7 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertTrue(state_ctx.is_last_backward)
         with model.fsdp_policy(recurse=False):
             model.set_is_last_backward(False)
-        self.assertTrue(state_ctx.is_last_backward)
-        model.set_is_last_backward(False)
+        self.assertFalse(state_ctx.is_last_backward)
         with model.fsdp_policy(is_last_backward=True, recurse=False):
             self.assertTrue(state_ctx.is_last_backward)
         self.assertFalse(state_ctx.is_last_backward)
@@ -600,6 +603,72 @@ class TestFullyShardPolicy(_PolicyTestBase):
         self.assertEqual(fsdp_policies(model), policies)
         self._assert_same_snapshot(snapshot, _snapshot(model), "nesting")
 
+    def test_fsdp_policy_scope_restores_only_what_it_changed(self):
+        """
+        A scope restores the fields it changed, on the modules it changed them
+        on; changes that the body makes to other fields or modules, and
+        ``is_last_backward`` unless the scope set it, are the caller's. The
+        policies in force then train like the same policies set without a
+        scope. Revision 4 restored every field of every touched module and
+        ``is_last_backward`` after every scope: after
+        ``with lm_head.fsdp_policy(reshard_after_backward=False,
+        recurse=False): root.set_is_last_backward(False)`` it read ``True``.
+        """
+        (
+            model, block0, block1, block0_policy, state_ctx, policies, root_policy, snapshot
+        ) = self._scope_setup()
+        head = model.lm_head
+        # A leaf scope that does not set ``is_last_backward``
+        with head.fsdp_policy(reshard_after_backward=False, recurse=False):
+            model.set_is_last_backward(False)
+        self.assertFalse(state_ctx.is_last_backward)
+        self.assertEqual(fsdp_policies(model), policies)
+        model.set_is_last_backward(True)
+        # ``requires_all_reduce=False`` changes block1, the head and the root,
+        # not block0 (already ``False``); the body's changes to other fields,
+        # and to block0's ``requires_all_reduce``, stay
+        with model.fsdp_policy(requires_all_reduce=False, recurse=True):
+            block0.set_fsdp_policy(
+                dataclasses.replace(block0_policy, requires_all_reduce=True),
+                recurse=False,
+            )
+            block1.set_fsdp_policy(
+                FSDPPolicy(requires_all_reduce=False, reshard_after_forward=False),
+                recurse=False,
+            )
+        expected = {
+            **policies,
+            "body.0": dataclasses.replace(block0_policy, requires_all_reduce=True),
+            "body.1": dataclasses.replace(
+                policies["body.1"], reshard_after_forward=False
+            ),
+        }
+        self.assertEqual(fsdp_policies(model), expected)
+        self.assertTrue(state_ctx.is_last_backward)
+        # The policies in force are the caller's: a step reduces and reshards
+        # like a copy given the same policies without a scope
+        torch.manual_seed(0)
+        copy_model = _shard(Model(), group_head=True)
+        for name, module in copy_model.named_modules():
+            if isinstance(module, FSDPModule):
+                module.set_fsdp_policy(expected[name], recurse=False)
+        self.assertEqual(fsdp_policies(copy_model), expected)
+        inp = torch.randn(4, DIM, generator=torch.Generator().manual_seed(self.rank))
+        model.zero_grad(set_to_none=True)
+        for m in (model, copy_model):
+            self._train_step(m, inp)
+        for (name, param), copy_param in zip(
+            model.named_parameters(), copy_model.parameters(), strict=True
+        ):
+            self.assertEqual(
+                param.grad.full_tensor(), copy_param.grad.full_tensor(), msg=name
+            )
+        # block1 (``reshard_after_forward=False``) keeps its parameters
+        # unsharded after forward in both
+        for m in (model, copy_model):
+            (group,) = m.body[1]._get_fsdp_state()._fsdp_param_groups
+            self.assertIsNone(group.post_forward_mesh_info)
+
     def test_fsdp_policy_scope_restores_on_exception(self):
         """On an exception every touched module is restored and the exception propagates."""
         (
@@ -621,14 +690,20 @@ class TestFullyShardPolicy(_PolicyTestBase):
                 is_last_backward=False,
             ):
                 with block0.fsdp_policy(reshard_after_forward=False, recurse=False):
-                    # Setters inside the body are undone too
+                    # Setters inside the body are undone too where the scopes
+                    # changed the field (``requires_all_reduce`` of block0,
+                    # which the scopes kept ``False``, is the body's)
                     model.set_requires_gradient_sync(True)
                     block1.set_fsdp_policy(
                         FSDPPolicy(reshard_after_forward=False), recurse=False
                     )
                     raise _Boom
         self.assertTrue(state_ctx.is_last_backward)
-        self.assertEqual(fsdp_policies(model), policies)
+        self.assertEqual(
+            fsdp_policies(model),
+            {**policies, "body.0": dataclasses.replace(block0_policy, requires_all_reduce=True)},
+        )
+        block0.set_fsdp_policy(block0_policy, recurse=False)
         self._assert_same_snapshot(snapshot, _snapshot(model), "exception")
 
     def test_fsdp_policy_scope_around_lazy_init(self):
