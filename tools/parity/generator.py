@@ -29,8 +29,9 @@ ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Schedu
 SIMPLEST = {
     "fsdp": [("aux", False), ("mp", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
-             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2)],
-    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2)],
+             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2), ("offload", False), ("replicate", False)],
+    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2),
+           ("caller_raf", True)],
 }
 
 
@@ -101,7 +102,7 @@ def _fsdp_train_r5(r5: random.Random, lay: dict, train: dict) -> None:
     if r5.random() < 0.2:
         train["head_metric"] = True
     if (n_mb >= 2 and train["sync"] == "last" and lay["head"] in ("separate", "grouped") and not lay["aux"]
-            and not lay["manual_final"] and train.get("drop_mb") != 0 and r5.random() < 0.15):
+            and not lay["manual_final"] and train.get("drop_mb") != 0 and r5.random() < 0.4):
         train["fail_chunk_bwd"] = True  # microbatch 0, chunk 1's backward
 
 
@@ -224,7 +225,7 @@ def valid(program: dict) -> bool:
         for op in program["ops"]:
             if "fail_mb" in op and (lay["chunked"] or lay["manual_final"] or op["fail_mb"] >= lay["n_mb"] - 1):
                 return False
-            if op.get("fail_in") == "forward" and op["fail_mb"] != 0:
+            if op.get("fail_in") == "forward" and op.get("fail_mb") != 0:
                 return False
             if (op["op"] == "eval_chunked" or "drop_mb" in op) and not (lay["chunked"] and lay["head"] in SCOPE_HEADS):
                 return False
@@ -508,7 +509,11 @@ def shrink_candidates(program: dict) -> list:
         out.append({**program, "ops": ops[:i] + ops[i + 1:]})
     for i, op in enumerate(ops):
         if "fail_mb" in op:
-            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != "fail_mb"}] + ops[i + 1:]})
+            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k not in ("fail_mb", "fail_in")}]
+                        + ops[i + 1:]})
+        for key in ("drop_mb", "head_metric", "fail_chunk_bwd", "loss_backward"):
+            if key in op:
+                out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != key}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),
                             ("prefetch_head", False)):
             if key in op and op[key] != simple:
