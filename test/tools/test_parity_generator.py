@@ -110,14 +110,14 @@ def test_shrink_keeps_the_failure_and_minimises(monkeypatch):
 
 
 def test_script_is_short_and_runs_the_program_with_the_failing_check():
-    for oracle, seed in [("b", 0), ("b", 1), ("b", 13), ("a", 2), ("a", 99)]:
+    for oracle, seed in [("b", 0), ("b", 1), ("b", 13), ("a", 2), ("a", 99), ("b", 235)]:
         prog = generator.generate(seed, oracle)
         text = generator.script(prog, "grad matches reference: rank 0: op 2 x")
         compile(text, "script", "exec")
         body = generator.render(prog, {"grad matches reference"} if oracle == "b" else set())
         assert "\n".join(x for x in body.splitlines() if "ctx.phase(" not in x or oracle == "a") in text
         assert "Fails with: grad matches reference" in text
-        assert re.search(r"^    main\(body, world=[24](, trace=True)?\)$", text, re.M)
+        assert re.search(r"^    main\(body, world=[24](, trace=True)?(, timeout_s=4.0)?\)$", text, re.M)
         imports = {m.split()[1].split(".")[0] for m in re.findall(r"^(?:import|from) \S+", text, re.M)}
         assert imports <= {"contextlib", "os", "sys", f"genlib_{prog['family']}", "genscript"}
         assert len(text.splitlines()) <= 90, (oracle, seed, len(text.splitlines()))
@@ -336,7 +336,8 @@ def test_issue_33_scope_shapes():
                 assert "metric=True" in body
             if op.get("fail_chunk_bwd"):
                 found["chunk_bwd"] += 1
-                assert "fail_bwd=mb == 0" in body and "m.reset_iter_state()" in body and "skip=0)" in body
+                assert "fail_bwd=mb == 0" in body and "skip=0)" in body or "skip=(0, " in body
+                assert f"after_failed_chunk_backward(ctx, m, reset={op['fail_chunk_bwd'] == 'reset'})" in body
             if op["op"] == "eval_chunked":
                 found["no_grad loop"] += 1
                 assert "eval_chunk_loop(ctx, m, t," in body and "head not gathered across optimizer.step" in body
@@ -346,6 +347,7 @@ def test_issue_33_scope_shapes():
                        for op in prog["ops"])
     lib = generator.library("fsdp")
     assert "def eval_chunk_loop" in lib and "c.register_hook(_raise_injected)" in lib
+    assert "m.reset_iter_state()" in lib and '"reset_iter_state" in str(exc)' in lib
 
 
 def test_forward_failure_offload_and_replicate_layouts():
@@ -388,3 +390,24 @@ def test_pipeline_layouts_of_revision_5():
     for p in b:
         if any(o.get("loss_backward") for o in p["ops"]):
             assert "eval_mode=True, loss_backward=True)" in generator.render(p)
+
+
+def test_rediscovery_seeds_keep_revision_4_programs():
+    """The rediscovery set (revision 3's four bugs) draws none of revision 5's additions."""
+    sets = json.loads((PARITY / "seeds.json").read_text())["sets"]
+    assert {("b", s) for s in sets["rediscovery"]["b"]["seeds"]} == generator.REDISCOVERY
+    for oracle, seed in generator.REDISCOVERY:
+        prog = generator.generate(seed, oracle)
+        lay = prog["layout"]
+        assert not lay.get("offload") and not lay.get("replicate") and lay.get("caller_raf", True)
+        assert not any({"drop_mb", "head_metric", "fail_chunk_bwd", "loss_backward", "fail_in"} & set(op)
+                       or op["op"] in ("fail", "nosync", "eval_chunked") for op in prog["ops"])
+
+
+def test_one_rank_failure_programs_run_with_a_short_process_group_timeout():
+    prog = generator.generate(235, "b")
+    assert prog["ops"][-1]["op"] == "fail" and generator.gloo_timeout(prog) == 4.0
+    assert generator.gloo_timeout(generator.generate(0, "b")) == 8.0
+    assert "main(body, world=2, timeout_s=4.0)" in generator.script(prog, "x: y")
+    lib = generator.library("pp")
+    assert "FAIL_TIMEOUT_S, FAST_S = 4.0, 2.0" in lib  # generator.gloo_timeout's value

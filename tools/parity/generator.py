@@ -93,17 +93,18 @@ def _fsdp_train_r5(r5: random.Random, lay: dict, train: dict) -> None:
         train["fail_mb"], train["fail_in"] = 0, "forward"
     if not lay["chunked"]:
         return
-    if lay["head"] in SCOPE_HEADS and r5.random() < 0.2:
+    if lay["head"] in SCOPE_HEADS and not lay["manual_final"] and r5.random() < 0.2:
         # not the last microbatch of a step that reduces only there (nothing would be reduced)
-        choices = [mb for mb in range(n_mb) if not (last_only and mb == n_mb - 1 and n_mb > 1)
-                   and not (lay["manual_final"] and mb == n_mb - 1)]
+        choices = [mb for mb in range(n_mb) if not (last_only and mb == n_mb - 1 and n_mb > 1)]
         if choices:
             train["drop_mb"] = r5.choice(choices)
     if r5.random() < 0.2:
         train["head_metric"] = True
     if (n_mb >= 2 and train["sync"] == "last" and lay["head"] in ("separate", "grouped") and not lay["aux"]
             and not lay["manual_final"] and train.get("drop_mb") != 0 and r5.random() < 0.4):
-        train["fail_chunk_bwd"] = True  # microbatch 0, chunk 1's backward
+        # microbatch 0, chunk 1's backward; then reset_iter_state(), or first a scope entry that must
+        # refuse naming it (issue 33 point 3)
+        train["fail_chunk_bwd"] = r5.choice(["reset", "noreset"])
 
 
 def _pp_layout(rng: random.Random, oracle: str, r5: random.Random) -> dict:
@@ -184,13 +185,26 @@ def _pp_ops(rng: random.Random, oracle: str, lay: dict, r5: random.Random) -> li
     return ops
 
 
+#: The rediscovery set of seeds.json (revision 3's four bugs): its programs stay as revision 4's
+#: generator drew them, so that re-introducing one of those bugs still makes its seed fail.
+REDISCOVERY = {("b", 92), ("b", 57), ("b", 160), ("b", 13)}
+
+
+class _NoDraws:
+    """A stream whose every probability test fails: no revision 5 addition."""
+
+    def random(self):
+        return 1.0
+
+
 def generate(seed: int, oracle: str) -> dict:
     """The program of ``seed`` for ``oracle`` ("a" or "b"); the same seed gives the same program."""
     if oracle not in ("a", "b"):
         raise ValueError(f"oracle must be 'a' or 'b', not {oracle!r}")
     rng = random.Random(f"{oracle}:{seed}")
     family = "pp" if rng.random() < 0.5 else "fsdp"
-    r5 = random.Random(f"{oracle}:{seed}:r5")  # revision 5's additions, a stream of their own
+    # Revision 5's additions, a stream of their own; the rediscovery seeds keep revision 4's programs
+    r5 = _NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r5")
     lay = _pp_layout(rng, oracle, r5) if family == "pp" else _fsdp_layout(rng, oracle)
     extra = random.Random(f"{oracle}:{seed}:extra")
     if family == "fsdp":  # a third stream, so that the other draws stay
@@ -201,6 +215,12 @@ def generate(seed: int, oracle: str) -> dict:
                             and r5.random() < 0.12)
     ops = _pp_ops(rng, oracle, lay, r5) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra, r5)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
+
+
+def gloo_timeout(program: dict) -> float:
+    """The process-group timeout of ``program``'s ranks: short (genlib_pp.FAIL_TIMEOUT_S) when a rank
+    fails alone, so that a peer that waits for it costs seconds (and is observed as "slow")."""
+    return 4.0 if program["ops"] and program["ops"][-1]["op"] == "fail" else 8.0
 
 
 def name(program: dict) -> str:
@@ -231,7 +251,7 @@ def valid(program: dict) -> bool:
                 return False
             if "drop_mb" in op:
                 k, n = op["drop_mb"], lay["n_mb"]
-                if k >= n or (op["sync"] != "every" and k == n - 1 and n > 1) or (lay["manual_final"] and k == n - 1):
+                if k >= n or (op["sync"] != "every" and k == n - 1 and n > 1) or lay["manual_final"]:
                     return False
             if op.get("head_metric") and not lay["chunked"]:
                 return False
@@ -401,22 +421,23 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     elif fail is not None:
         L.append("    except InjectedError:  # on every rank, before its backward\n        pass")
     elif chunk_fail:
-        L.append("    except InjectedError:  # inside chunk 1's backward of microbatch 0\n"
-                 "        m.reset_iter_state()  # the documented recovery (issue 33 point 3)")
+        L.append("    except InjectedError:  # inside chunk 1's backward of microbatch 0 (issue 33 point 3)\n"
+                 f"        after_failed_chunk_backward(ctx, m, reset={chunk_fail == 'reset'})")
     if lay["manual_final"]:
         L.append("m.finalize_backward()")
     if drop is not None:
         # 2.15.0 (fully_shard's docstring): the root and groups that do not reshard after forward keep
         # their parameters after a forward with no backward; the head's scope must not (issue 33)
         L.append("reshard_body(m)")
-    skip = fail if fail is not None else (0 if chunk_fail else drop)
+    skips = tuple(k for k in (fail, 0 if chunk_fail else None, drop) if k is not None)
+    skip = skips[0] if len(skips) == 1 else (skips or None)
     L.append(f"ref_train(ref, {step}, world, {n_mb}" + (f", skip={skip})" if skip is not None else ")"))
     if not b:
         if want("reductions per group == minimum"):
             L.append('ctx.value("reductions", sorted(reductions.count.items()))')
         return L
     # microbatches that reduce: every one or the last, without the one that failed or was dropped
-    reducing = len(({n_mb - 1} if op["sync"] == "last" else set(range(n_mb))) - {skip})
+    reducing = len(({n_mb - 1} if op["sync"] == "last" else set(range(n_mb))) - set(skips))
     if want("reductions per group == minimum"):
         L.append(f"expected = {sorted(reducing * g for g in groups if reducing)}  # reductions of each trainable group")
         L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
@@ -559,6 +580,8 @@ def script(program: dict, failure: str = "", where: str = os.path.join(HERE, "fi
                f"sys.path.insert(0, os.path.join({', '.join(parts)}))  # tools/parity",
                f"from genlib_{program['family']} import *  # noqa: E402,F401,F403 - the model, reference, checks",
                "from genscript import main  # noqa: E402", "", ""]
+    timeout = gloo_timeout(program)
     tail = ["", "", 'if __name__ == "__main__":',
-            f"    main(body, world={lay['world']}" + (", trace=True)" if trace else ")")]
+            f"    main(body, world={lay['world']}" + (", trace=True" if trace else "")
+            + (f", timeout_s={timeout})" if timeout != 8.0 else ")")]
     return "\n".join(head + imports) + "\n" + body + "\n" + "\n".join(tail) + "\n"

@@ -128,6 +128,23 @@ def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fa
         h.backward(torch.cat([c.grad for c in chunks], 1))
 
 
+def after_failed_chunk_backward(ctx, m, reset):
+    """After an exception inside a chunk's backward: ``reset_iter_state()`` on the root, the
+    documented recovery. Without it first (``reset=False``) the next scope entry must refuse with
+    an error that says to call ``reset_iter_state()`` on the root (api.md section 8); then the
+    program resets."""
+    if not reset:
+        try:
+            with scope_of(m).partial_backward(outer_backward=True):
+                pass
+            ctx.check("refusal names reset_iter_state()", False,
+                      "a scope was entered after a failed chunk backward without reset_iter_state()")
+        except Exception as exc:  # noqa: BLE001 - the refusal under test
+            ctx.check("refusal names reset_iter_state()", "reset_iter_state" in str(exc),
+                      f"{type(exc).__name__}: {str(exc)[:160]}")
+    m.reset_iter_state()
+
+
 def eval_chunk_loop(ctx, m, tokens, n_chunks):
     """A ``torch.no_grad()`` evaluation chunk loop inside the head's ``partial_backward`` scope."""
     with torch.no_grad():
@@ -140,10 +157,11 @@ def eval_chunk_loop(ctx, m, tokens, n_chunks):
 
 def ref_train(ref, step, world, n_mb, skip=None):
     """The reference's gradients for one optimizer step of every rank's data (without microbatch
-    ``skip``, whose loss failed on every rank)."""
+    ``skip`` or the microbatches of a tuple ``skip``: failed on every rank, or dropped)."""
+    skip = skip if isinstance(skip, tuple) else (skip,)
     for rank in range(world):
         for mb in range(n_mb):
-            if mb == skip:
+            if mb in skip:
                 continue
             t, y = data(step, rank, mb)
             h = ref(t)

@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 
 V, D, S, MB = 16, 8, 4, 2  # vocabulary, width, sequence length, microbatch size
 LR, TOL = 0.1, 1e-4
-FAST_S = 4.0  # a call after a one-rank failure ends within this (half the 8 s gloo timeout of the programs)
+# A program with a one-rank failure runs with a gloo timeout of FAIL_TIMEOUT_S (generator.gloo_timeout);
+# a call after the failure that takes FAST_S or longer waited for it ("slow"; 2.15.0: 0.1 s or the timeout)
+FAIL_TIMEOUT_S, FAST_S = 4.0, 2.0
 
 
 class InjectedError(Exception):
@@ -307,7 +309,7 @@ class Pipe:
             if after != "exit":  # stay alive until the healthy ranks are done
                 try:
                     store.wait([f"healthy-done-{r}" for r in range(dist.get_world_size()) if r != self.rank],
-                               datetime.timedelta(seconds=20))
+                               datetime.timedelta(seconds=3 * FAIL_TIMEOUT_S + 2))
                 except Exception:  # noqa: BLE001 - a healthy rank that never finished: its checks say why
                     pass
         else:
