@@ -176,7 +176,7 @@ def _pp_ops(rng: random.Random, oracle: str, lay: dict, r5: random.Random) -> li
     # A step that fails on one rank only (issue 32 point 3, issue 34 points 1 and 4): the loss or a
     # stage forward raises there; the failed rank retries, skips the batch or exits. Last operation
     # (the process group is broken afterwards), after a clean step (so no metadata probe runs in it)
-    if lay["world"] == 2 and r5.random() < 0.15:
+    if lay["world"] == 2 and r5.random() < 0.08:
         n_stages = 2 if lay["placement"] == "single" else 4
         where = r5.choice(["loss", "forward"])
         ops += [{"op": "step", "finalize": True}, {"op": "optim"},

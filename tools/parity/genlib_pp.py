@@ -270,9 +270,10 @@ class Pipe:
         """Step ``step`` with the loss (``where="loss"``, on the last stage's rank) or the forward of
         stage ``stage`` (``where="forward"``) raising at microbatch ``mb`` on that rank only. The
         failed rank then retries the step (``after="retry"``), goes on with the next batch
-        (``"skip"``) or ends (``"exit"``: its process exits), and stays alive until the healthy
-        ranks are done (the store, not gloo). A healthy rank whose step completes goes on with the
-        next batch, as a training loop does. Each call records its outcome and whether it ended
+        (``"skip"``) or ends (``"exit"``: its process exits); a loop whose retry or next step
+        raised gives up (the process exits), one whose call succeeded goes on and stays alive until
+        the healthy ranks are done (the store, not gloo). A healthy rank whose step completes goes
+        on with the next batch, as a training loop does. Each call records its outcome and whether it ended
         within ``FAST_S`` (oracle a compares that with 2.15.0, whose healthy peer raises "Connection
         closed by peer" within 0.1 s in most layouts); a retry on the failed rank must raise (issue
         34 point 4: it cannot know whether its peers failed the same step). Ends the program: the
@@ -298,6 +299,7 @@ class Pipe:
             mod.fail_at = None
         if failing:
             self.ctx.check("injected failure raised", first == "InjectedError", f"step {step}: {first}")
+            out = None
             if after == "retry":
                 self.zero_grad()
                 out = self._timed("retry", call(step))
@@ -305,8 +307,8 @@ class Pipe:
                                f"the failed rank's retry of step {step} ran (its peers did not fail the same step)")
             elif after == "skip":
                 self.zero_grad()
-                self._timed("next step", call(step + 1))
-            if after != "exit":  # stay alive until the healthy ranks are done
+                out = self._timed("next step", call(step + 1))
+            if out == "ok":  # the loop goes on: stay alive until the healthy ranks are done
                 try:
                     store.wait([f"healthy-done-{r}" for r in range(dist.get_world_size()) if r != self.rank],
                                datetime.timedelta(seconds=3 * FAIL_TIMEOUT_S + 2))
