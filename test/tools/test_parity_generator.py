@@ -334,16 +334,18 @@ def test_issue_33_scope_shapes():
             if op.get("head_metric"):
                 found["metric"] += 1
                 assert "metric=True" in body
-            if op.get("fail_chunk_bwd"):
-                found["chunk_bwd"] += 1
-                assert "fail_bwd=mb == 0" in body and "skip=0)" in body or "skip=(0, " in body
-                assert f"after_failed_chunk_backward(ctx, m, reset={op['fail_chunk_bwd'] == 'reset'})" in body
+            if op.get("fail_chunk"):
+                found["chunk " + op["fail_chunk"]] += 1
+                assert ("fail_head=mb == 0" if op["fail_chunk"] == "forward" else "fail_bwd=mb == 0") in body
+                assert "skip=0)" in body or "skip=(0, " in body
+                assert f"after_failed_chunk_backward(ctx, m, reset={op['fail_chunk'] != 'backward_noreset'})" in body
             if op["op"] == "eval_chunked":
                 found["no_grad loop"] += 1
                 assert "eval_chunk_loop(ctx, m, t," in body and "head not gathered across optimizer.step" in body
-    assert all(found[k] >= 3 for k in ("drop", "metric", "chunk_bwd", "no_grad loop")), found
+    assert all(found[k] >= 3 for k in ("drop", "metric", "no_grad loop")), found
+    assert all(found["chunk " + k] >= 1 for k in ("backward", "backward_noreset", "forward")), found
     for prog in _programs("a", family="fsdp"):
-        assert not any({"drop_mb", "head_metric", "fail_chunk_bwd"} & set(op) or op["op"] == "eval_chunked"
+        assert not any({"drop_mb", "head_metric", "fail_chunk"} & set(op) or op["op"] == "eval_chunked"
                        for op in prog["ops"])
     lib = generator.library("fsdp")
     assert "def eval_chunk_loop" in lib and "c.register_hook(_raise_injected)" in lib
@@ -400,7 +402,7 @@ def test_rediscovery_seeds_keep_revision_4_programs():
         prog = generator.generate(seed, oracle)
         lay = prog["layout"]
         assert not lay.get("offload") and not lay.get("replicate") and lay.get("caller_raf", True)
-        assert not any({"drop_mb", "head_metric", "fail_chunk_bwd", "loss_backward", "fail_in"} & set(op)
+        assert not any({"drop_mb", "head_metric", "fail_chunk", "loss_backward", "fail_in"} & set(op)
                        or op["op"] in ("fail", "nosync", "eval_chunked") for op in prog["ops"])
 
 

@@ -102,9 +102,10 @@ def _fsdp_train_r5(r5: random.Random, lay: dict, train: dict) -> None:
         train["head_metric"] = True
     if (n_mb >= 2 and train["sync"] == "last" and lay["head"] in ("separate", "grouped") and not lay["aux"]
             and not lay["manual_final"] and train.get("drop_mb") != 0 and r5.random() < 0.4):
-        # microbatch 0, chunk 1's backward; then reset_iter_state(), or first a scope entry that must
-        # refuse naming it (issue 33 point 3)
-        train["fail_chunk_bwd"] = r5.choice(["reset", "noreset"])
+        # microbatch 0, chunk 1: its backward raises, then reset_iter_state() or first a scope entry
+        # that must refuse naming it (issue 33 point 3); or its head forward raises inside the scope
+        # (before finish_forward), then reset_iter_state()
+        train["fail_chunk"] = r5.choice(["backward", "backward_noreset", "backward_noreset", "forward"])
 
 
 def _pp_layout(rng: random.Random, oracle: str, r5: random.Random) -> dict:
@@ -255,7 +256,7 @@ def valid(program: dict) -> bool:
                     return False
             if op.get("head_metric") and not lay["chunked"]:
                 return False
-            if op.get("fail_chunk_bwd") and not (
+            if op.get("fail_chunk") and not (
                     lay["n_mb"] >= 2 and op["sync"] == "last" and lay["head"] in ("separate", "grouped")
                     and not lay["aux"] and not lay["manual_final"] and op.get("drop_mb") != 0):
                 return False
@@ -400,7 +401,7 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
             L.append(f"    m.set_{field}({sync}, recurse=True)")
         if op.get("is_last_backward"):
             L.append(f"    m.set_is_last_backward({last})")
-    chunk_fail = op.get("fail_chunk_bwd")
+    chunk_fail = op.get("fail_chunk")
     drop = op.get("drop_mb")
     if fail is not None or chunk_fail:
         L.append("    try:")
@@ -410,7 +411,7 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
         ind += "    "
     if lay["chunked"]:
         kw = (f", drop=mb == {drop}" if drop is not None else "") + (", metric=True" if op.get("head_metric") else "")
-        kw += ", fail_bwd=mb == 0" if chunk_fail else ""
+        kw += (", fail_head=mb == 0" if chunk_fail == "forward" else ", fail_bwd=mb == 0") if chunk_fail else ""
         L.append(f"{ind}chunked_loss(m, t, y, {n_mb}, {lay['n_chunks']}{kw})")
     else:
         kw = (f", fail=mb == {fail}" if fail is not None else "") + (", fail_in=\"forward\"" if op.get("fail_in") else "")
@@ -421,8 +422,9 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     elif fail is not None:
         L.append("    except InjectedError:  # on every rank, before its backward\n        pass")
     elif chunk_fail:
-        L.append("    except InjectedError:  # inside chunk 1's backward of microbatch 0 (issue 33 point 3)\n"
-                 f"        after_failed_chunk_backward(ctx, m, reset={chunk_fail == 'reset'})")
+        where = "head forward" if chunk_fail == "forward" else "backward"
+        L.append(f"    except InjectedError:  # inside chunk 1's {where} of microbatch 0 (issue 33 point 3)\n"
+                 f"        after_failed_chunk_backward(ctx, m, reset={chunk_fail != 'backward_noreset'})")
     if lay["manual_final"]:
         L.append("m.finalize_backward()")
     if drop is not None:
@@ -532,7 +534,7 @@ def shrink_candidates(program: dict) -> list:
         if "fail_mb" in op:
             out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k not in ("fail_mb", "fail_in")}]
                         + ops[i + 1:]})
-        for key in ("drop_mb", "head_metric", "fail_chunk_bwd", "loss_backward"):
+        for key in ("drop_mb", "head_metric", "fail_chunk", "loss_backward"):
             if key in op:
                 out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != key}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),

@@ -102,12 +102,13 @@ def _raise_injected(*_):
     raise InjectedError("injected in a chunk's backward")
 
 
-def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fail_bwd=False):
+def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fail_bwd=False, fail_head=False):
     """One microbatch of the chunked loss: one ``partial_backward`` scope per head. ``drop``: the
     chunk losses are computed and no backward runs (a loss guard drops the microbatch; the decoder
     backward is skipped too); ``metric``: a grad-enabled call of the head outside the scope whose
     output is detached (a last-position metric); ``fail_bwd``: chunk 1's backward raises
-    ``InjectedError`` after the head's backward ran."""
+    ``InjectedError`` after the head's backward ran; ``fail_head``: it raises after chunk 1's head
+    forward, inside the scope, before ``finish_forward``."""
     h = m(tokens)
     chunks = [c.detach().requires_grad_(h.requires_grad) for c in h.chunk(n_chunks, 1)]
     if metric:
@@ -118,7 +119,10 @@ def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fa
     for scope, head, target in heads:
         with scope.partial_backward(outer_backward=h.requires_grad):
             for j, (c, t) in enumerate(zip(chunks, target.chunk(n_chunks, 1))):
-                loss = ce(scope.finish_forward(head(c)), t, n_mb)
+                out = head(c)
+                if fail_head and j == 1:
+                    raise InjectedError("injected after a chunk's head forward")
+                loss = ce(scope.finish_forward(out), t, n_mb)
                 if drop:
                     continue
                 if fail_bwd and j == 1:
@@ -129,7 +133,8 @@ def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fa
 
 
 def after_failed_chunk_backward(ctx, m, reset):
-    """After an exception inside a chunk's backward: ``reset_iter_state()`` on the root, the
+    """After an exception inside a chunk's backward (or its head forward, in the scope):
+    ``reset_iter_state()`` on the root, the
     documented recovery. Without it first (``reset=False``) the next scope entry must refuse with
     an error that says to call ``reset_iter_state()`` on the root (api.md section 8); then the
     program resets."""
