@@ -1,6 +1,7 @@
 """The program generator of tools/parity (generator.py, generate.py): determinism,
 validity, the shrinker and the script writer, without starting torch processes."""
 
+import collections
 import importlib.util
 import json
 import re
@@ -26,7 +27,7 @@ generate = _load("generate")
 
 #: Names of the APIs the series adds: oracle A programs must run only what 2.15.0 has.
 NEW_APIS = ["FSDPPolicy", "fsdp_policy", "partial_backward", "finish_forward", "has_pending_gradients",
-            "chunked_loss", "policies("]
+            "chunked_loss", "policies(", "policy_check", "no_sync_scope", "eval_chunk_loop"]
 
 
 @pytest.mark.parametrize("oracle", ["a", "b"])
@@ -109,14 +110,14 @@ def test_shrink_keeps_the_failure_and_minimises(monkeypatch):
 
 
 def test_script_is_short_and_runs_the_program_with_the_failing_check():
-    for oracle, seed in [("b", 0), ("b", 1), ("b", 13), ("a", 2), ("a", 99)]:
+    for oracle, seed in [("b", 0), ("b", 1), ("b", 13), ("a", 2), ("a", 99), ("b", 235)]:
         prog = generator.generate(seed, oracle)
         text = generator.script(prog, "grad matches reference: rank 0: op 2 x")
         compile(text, "script", "exec")
         body = generator.render(prog, {"grad matches reference"} if oracle == "b" else set())
         assert "\n".join(x for x in body.splitlines() if "ctx.phase(" not in x or oracle == "a") in text
         assert "Fails with: grad matches reference" in text
-        assert re.search(r"^    main\(body, world=[24](, trace=True)?\)$", text, re.M)
+        assert re.search(r"^    main\(body, world=[24](, trace=True)?(, timeout_s=4.0)?\)$", text, re.M)
         imports = {m.split()[1].split(".")[0] for m in re.findall(r"^(?:import|from) \S+", text, re.M)}
         assert imports <= {"contextlib", "os", "sys", f"genlib_{prog['family']}", "genscript"}
         assert len(text.splitlines()) <= 90, (oracle, seed, len(text.splitlines()))
@@ -236,7 +237,7 @@ def test_loss_failure_on_every_rank_is_drawn_rendered_and_shrunk():
             op = next(o for o in prog["ops"] if "fail_mb" in o)
             k = op["fail_mb"]
             body = generator.render(prog)
-            assert f"fail=mb == {k})" in body and f"skip={k})" in body and "except InjectedError:" in body
+            assert re.search(rf"fail=mb == {k}[,)]", body) and f"skip={k})" in body and "except InjectedError:" in body
             cands = generator.shrink_candidates(prog)
             fails = sum("fail_mb" in o for o in prog["ops"])
             assert any(sum("fail_mb" in o for o in c["ops"]) == fails - 1 and len(c["ops"]) == len(prog["ops"])
@@ -259,8 +260,156 @@ def test_mixed_precision_layouts():
         for prog in progs:
             body = generator.render(prog)
             calls = re.findall(r"fully_shard\((.*)\)$", body, re.M)
-            assert calls and all(c.endswith(", mp_policy=mp") for c in calls), calls
+            assert calls and all(", mp_policy=mp" in c for c in calls), calls
             assert "optim_step(" not in body or ', rel=0.05)' in body
             plain = generator.render({**prog, "layout": {**prog["layout"], "mp": False}})
             assert "mp_policy" not in plain and "rel=" not in plain
     assert ("mp", False) in generator.SIMPLEST["fsdp"]
+
+
+def _programs(oracle, n=500, family=None):
+    progs = [generator.generate(s, oracle) for s in range(n)]
+    return [p for p in progs if family is None or p["family"] == family]
+
+
+def test_one_rank_failure_is_drawn_rendered_and_last():
+    """A step whose loss or stage forward raises on one rank only (issue 32 point 3, issue 34):
+    the failed rank retries, skips the batch or exits; the program text carries the injection,
+    it is the last operation, after a clean step, on 2 ranks."""
+    for oracle in "ab":
+        progs = [p for p in _programs(oracle, family="pp") if p["ops"][-1]["op"] == "fail"]
+        assert len(progs) >= 8, oracle
+        seen = set()
+        for prog in progs:
+            op = prog["ops"][-1]
+            seen |= {op["where"], op["after"]}
+            assert prog["layout"]["world"] == 2 and generator.valid(prog)
+            body = generator.render(prog)
+            assert f"pipe.fail_one_rank(" in body and f"{op['where']!r}, {op['stage']}, {op['mb']}, {op['after']!r})" in body
+            moved = {**prog, "ops": [prog["ops"][-1]] + prog["ops"][:-1]}
+            assert not generator.valid(moved)  # never before another operation, never first
+            assert all(c["ops"][-1]["op"] != "fail" or generator.valid(c) for c in generator.shrink_candidates(prog))
+        assert seen == {"loss", "forward", "retry", "skip", "exit"}, (oracle, seen)
+    lib = generator.library("pp")
+    # the failed rank stays alive until the healthy ranks are done (the store, not gloo); the time to
+    # error is an observation; a retry must be refused
+    assert "store.wait(" in lib and '"fast" if took < FAST_S else "slow"' in lib and "retry refused" in lib
+
+
+def test_no_sync_idiom_across_steps():
+    """FSDP2's accumulation idiom across pipeline steps (issue 34 point 2): steps under the caller's
+    no-sync (old setter, or fsdp_policy scopes in oracle b), then a syncing step; the reference
+    scales the whole accumulation once (the sum of the steps' means)."""
+    idioms = {"a": set(), "b": set()}
+    for oracle in "ab":
+        for prog in _programs(oracle, family="pp"):
+            ops = prog["ops"]
+            for i, op in enumerate(ops):
+                if op["op"] != "nosync":
+                    continue
+                idioms[oracle].add((op["idiom"], prog["layout"]["kind"]))
+                assert ops[i + 1] == {"op": "step", "finalize": True}
+                body = generator.render(prog)
+                assert ("pipe.set_sync(False)" in body and "pipe.set_sync(True)" in body) if op["idiom"] == "setter" \
+                    else "with pipe.no_sync_scope():" in body
+                assert not generator.valid({**prog, "ops": ops[:i + 1] + ops[i + 2:]})
+    assert {i for i, _ in idioms["b"]} == {"setter", "scope"} and {k for _, k in idioms["b"]} == {"plain", "fsdp", "container"}
+    assert idioms["a"] and all(i == "setter" and k != "fsdp" for i, k in idioms["a"])  # 2.15.0 is wrong on FSDP-root stages
+    assert "not self.nosync" in generator.library("pp")
+
+
+def test_issue_33_scope_shapes():
+    """Oracle b's chunked loss: a scope with no backward (a dropped microbatch; a no_grad chunk
+    loop), a grad-enabled head call outside the scope whose output is detached, an exception
+    inside a chunk backward followed by reset_iter_state(); the head must not stay gathered across
+    optimizer.step()."""
+    found = collections.Counter()
+    for prog in _programs("b", family="fsdp"):
+        body = generator.render(prog)
+        for op in prog["ops"]:
+            if "drop_mb" in op:
+                found["drop"] += 1
+                assert f"drop=mb == {op['drop_mb']}" in body and "reshard_body(m)" in body
+                assert "head not gathered across optimizer.step" in body
+            if op.get("head_metric"):
+                found["metric"] += 1
+                assert "metric=True" in body
+            if op.get("fail_chunk"):
+                found["chunk " + op["fail_chunk"]] += 1
+                assert ("fail_head=mb == 0" if op["fail_chunk"] == "forward" else "fail_bwd=mb == 0") in body
+                assert "skip=0)" in body or "skip=(0, " in body
+                assert f"after_failed_chunk_backward(ctx, m, reset={op['fail_chunk'] != 'backward_noreset'})" in body
+            if op["op"] == "eval_chunked":
+                found["no_grad loop"] += 1
+                assert "eval_chunk_loop(ctx, m, t," in body and "head not gathered across optimizer.step" in body
+    assert all(found[k] >= 3 for k in ("drop", "metric", "no_grad loop")), found
+    assert all(found["chunk " + k] >= 1 for k in ("backward", "backward_noreset", "forward")), found
+    for prog in _programs("a", family="fsdp"):
+        assert not any({"drop_mb", "head_metric", "fail_chunk"} & set(op) or op["op"] == "eval_chunked"
+                       for op in prog["ops"])
+    lib = generator.library("fsdp")
+    assert "def eval_chunk_loop" in lib and "c.register_hook(_raise_injected)" in lib
+    assert "m.reset_iter_state()" in lib and '"reset_iter_state" in str(exc)' in lib
+
+
+def test_forward_failure_offload_and_replicate_layouts():
+    """A forward that raises on every rank (then reset_iter_state()), CPU offload and replicate()
+    modules, in both oracles."""
+    for oracle in "ab":
+        progs = _programs(oracle, family="fsdp")
+        fwd = [p for p in progs if any(o.get("fail_in") == "forward" for o in p["ops"])]
+        off = [p for p in progs if p["layout"]["offload"]]
+        rep = [p for p in progs if p["layout"]["replicate"]]
+        assert len(fwd) >= 5 and len(off) >= 10 and len(rep) >= 5, (oracle, len(fwd), len(off), len(rep))
+        for p in fwd:
+            body = generator.render(p)
+            assert 'fail_in="forward"' in body and "m.reset_iter_state()" in body
+        for p in off:
+            calls = re.findall(r"fully_shard\((.*)\)$", generator.render(p), re.M)
+            assert calls and all("offload_policy=off" in c for c in calls)
+        for p in rep:
+            body = generator.render(p)
+            assert "fully_shard(" not in body and "replicate(m, mesh=mesh)" in body
+            assert not generator.valid({**p, "layout": {**p["layout"], "raf": False}})
+
+
+def test_pipeline_layouts_of_revision_5():
+    """Container stages in oracle a (never zero-bubble), a block shared by a container stage's two
+    loop stages, get_fsdp_policy() read between steps in oracle b, grad-mode eval() with a loss that
+    runs its own backward on every stage kind (oracle a: plain stages)."""
+    a, b = _programs("a", family="pp"), _programs("b", family="pp")
+    cont_a = [p for p in a if p["layout"]["kind"] == "container"]
+    assert len(cont_a) >= 5 and not any(p["layout"]["schedule"] in generator.ZERO_BUBBLE for p in cont_a)
+    shared = {(p["layout"]["kind"], p["layout"]["schedule"]) for p in b if p["layout"]["shared"] == "layers"}
+    assert {("container", "ScheduleInterleaved1F1B"), ("container", "ScheduleLoopedBFS"),
+            ("plain", "ScheduleInterleaved1F1B"), ("plain", "ScheduleLoopedBFS")} <= shared
+    assert not any(p["layout"]["kind"] == "fsdp" and p["layout"]["shared"] != "none" for p in a + b)
+    for p in b:
+        assert ("policy_check=True" in generator.render(p)) == (p["layout"]["kind"] != "plain")
+    kinds = {oracle: {p["layout"]["kind"] for p in progs for o in p["ops"] if o.get("loss_backward")}
+             for oracle, progs in (("a", a), ("b", b))}
+    assert kinds == {"a": {"plain"}, "b": {"plain", "fsdp", "container"}}, kinds
+    for p in b:
+        if any(o.get("loss_backward") for o in p["ops"]):
+            assert "eval_mode=True, loss_backward=True)" in generator.render(p)
+
+
+def test_rediscovery_seeds_keep_revision_4_programs():
+    """The rediscovery set (revision 3's four bugs) draws none of revision 5's additions."""
+    sets = json.loads((PARITY / "seeds.json").read_text())["sets"]
+    assert {("b", s) for s in sets["rediscovery"]["b"]["seeds"]} == generator.REDISCOVERY
+    for oracle, seed in generator.REDISCOVERY:
+        prog = generator.generate(seed, oracle)
+        lay = prog["layout"]
+        assert not lay.get("offload") and not lay.get("replicate") and lay.get("caller_raf", True)
+        assert not any({"drop_mb", "head_metric", "fail_chunk", "loss_backward", "fail_in"} & set(op)
+                       or op["op"] in ("fail", "nosync", "eval_chunked") for op in prog["ops"])
+
+
+def test_one_rank_failure_programs_run_with_a_short_process_group_timeout():
+    prog = generator.generate(235, "b")
+    assert prog["ops"][-1]["op"] == "fail" and generator.gloo_timeout(prog) == 4.0
+    assert generator.gloo_timeout(generator.generate(0, "b")) == 8.0
+    assert "main(body, world=2, timeout_s=4.0)" in generator.script(prog, "x: y")
+    lib = generator.library("pp")
+    assert "FAIL_TIMEOUT_S, FAST_S = 4.0, 2.0" in lib  # generator.gloo_timeout's value

@@ -56,7 +56,7 @@ def run_parallel(jobs: list) -> list:
         out = os.path.join(workdir, f"{label}-out.json")
         with open(path, "w") as f:
             json.dump([{"name": generator.name(p), "world": p["layout"]["world"], "source": generator.source(p),
-                        "timeout": 60.0, "gloo_timeout": 8.0} for p in programs], f)
+                        "timeout": 60.0, "gloo_timeout": generator.gloo_timeout(p)} for p in programs], f)
         cmd = [python, os.path.join(HERE, "worker.py"), "--programs", path, "--out", out]
         procs.append((subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.DEVNULL), out, label))
     results = []

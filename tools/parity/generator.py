@@ -29,8 +29,9 @@ ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Schedu
 SIMPLEST = {
     "fsdp": [("aux", False), ("mp", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
-             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2)],
-    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2)],
+             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2), ("offload", False), ("replicate", False)],
+    "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2),
+           ("caller_raf", True)],
 }
 
 
@@ -50,8 +51,9 @@ def _fsdp_layout(rng: random.Random, oracle: str) -> dict:
     return lay
 
 
-def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random) -> list:
-    """``extra`` draws what revision 4's generator added, so that each seed's earlier draws stay."""
+def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random, r5: random.Random) -> list:
+    """``extra`` draws what revision 4's generator added, ``r5`` what revision 5's added, so that
+    each seed's earlier draws stay."""
     ops = []
     for _ in range(rng.randint(1, 3)):
         # Under manual finalization the root's groups reduce in finalize_backward(): no-sync until then
@@ -64,21 +66,58 @@ def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random) 
             train["prefetch_head"] = True  # unshard(async_op=True) of the head before the step
         if lay["n_mb"] >= 2 and not lay["chunked"] and not lay["manual_final"] and extra.random() < 0.15:
             train["fail_mb"] = extra.randrange(lay["n_mb"] - 1)  # its loss raises on every rank
+        _fsdp_train_r5(r5, lay, train)
         ops.append(train)
         if rng.random() < 0.3:
             ops.append({"op": rng.choice(["eval", "state_dict", "reshard"])
                         if oracle == "b" else rng.choice(["eval", "eval_grad", "state_dict", "reshard"])})
+            if ops[-1]["op"] == "eval" and lay["chunked"] and lay["head"] in SCOPE_HEADS and r5.random() < 0.5:
+                ops[-1]["op"] = "eval_chunked"  # a no_grad chunk loop inside partial_backward (issue 33 point 1)
         ops.append({"op": "optim"})
     return ops
 
 
-def _pp_layout(rng: random.Random, oracle: str) -> dict:
+SCOPE_HEADS = ("separate", "grouped", "tied")  # heads with an FSDP group of their own: the scope's module
+
+
+def _fsdp_train_r5(r5: random.Random, lay: dict, train: dict) -> None:
+    """Revision 5's additions to a training step of an FSDP program (issue 32 point 3, issue 33):
+    a forward that raises on every rank; in oracle b's chunked loss a microbatch whose scope runs
+    no backward (dropped by a loss guard), a grad-enabled head call outside the scope whose output
+    is detached, an exception inside a chunk's backward followed by ``reset_iter_state()``."""
+    n_mb, last_only = lay["n_mb"], train["sync"] != "every"
+    plain_loop = n_mb >= 2 and not lay["chunked"] and not lay["manual_final"]
+    if "fail_mb" in train and r5.random() < 0.4:
+        train["fail_mb"], train["fail_in"] = 0, "forward"  # a reset discards the microbatches before it
+    elif plain_loop and "fail_mb" not in train and r5.random() < 0.1:
+        train["fail_mb"], train["fail_in"] = 0, "forward"
+    if not lay["chunked"]:
+        return
+    if lay["head"] in SCOPE_HEADS and not lay["manual_final"] and r5.random() < 0.2:
+        # not the last microbatch of a step that reduces only there (nothing would be reduced)
+        choices = [mb for mb in range(n_mb) if not (last_only and mb == n_mb - 1 and n_mb > 1)]
+        if choices:
+            train["drop_mb"] = r5.choice(choices)
+    if r5.random() < 0.2:
+        train["head_metric"] = True
+    if (n_mb >= 2 and train["sync"] == "last" and lay["head"] in ("separate", "grouped") and not lay["aux"]
+            and not lay["manual_final"] and train.get("drop_mb") != 0 and r5.random() < 0.4):
+        # microbatch 0, chunk 1: its backward raises, then reset_iter_state() or first a scope entry
+        # that must refuse naming it (issue 33 point 3); or its head forward raises inside the scope
+        # (before finish_forward), then reset_iter_state()
+        train["fail_chunk"] = r5.choice(["backward", "backward_noreset", "backward_noreset", "forward"])
+
+
+def _pp_layout(rng: random.Random, oracle: str, r5: random.Random) -> dict:
+    """``r5`` draws what revision 5's generator added (container stages in oracle A, shared layers
+    on FSDP and container stages, the caller's ``reshard_after_forward=False``), so that each seed's
+    earlier draws stay."""
     schedule = rng.choice(list(PP_SCHEDULES))
     placement = PP_SCHEDULES[schedule]
     kind = rng.choice(["plain", "plain", "fsdp", "container"])
-    if oracle == "a" and kind == "container":
-        # Container stages accumulate like FSDP stages (0024): an intended difference from
-        # 2.15.0's collectives, which oracle b checks against the reference
+    if oracle == "a" and kind == "container" and (schedule in ZERO_BUBBLE or r5.random() < 0.5):
+        # Container stages accumulate like FSDP stages (0024): their collectives differ from 2.15.0
+        # by design (the allowlist pins that and compares the rest); half of them stay FSDP stages
         kind = "fsdp"
     if oracle == "a" and schedule in ZERO_BUBBLE and kind == "fsdp":
         # 2.15.0 computes no weight gradient there: an allowlisted difference (0014)
@@ -87,11 +126,17 @@ def _pp_layout(rng: random.Random, oracle: str) -> dict:
     if kind == "plain" and rng.random() < 0.5:
         shared = {"loop": "layers", "v": "tied"}.get(placement, "none")
     world = 4 if kind != "plain" and rng.random() < 0.3 else 2
-    return {"schedule": schedule, "placement": placement, "kind": kind, "shared": shared, "world": world,
-            "n_mb": 4 if schedule == "ScheduleDualPipeV" else rng.choice([2, 4]), "scale_grads": rng.random() < 0.5}
+    lay = {"schedule": schedule, "placement": placement, "kind": kind, "shared": shared, "world": world,
+           "n_mb": 4 if schedule == "ScheduleDualPipeV" else rng.choice([2, 4]), "scale_grads": rng.random() < 0.5}
+    if kind == "container" and placement == "loop" and r5.random() < 0.35:
+        # a block shared by a rank's two stages, sharded once (issue 35); not on FSDP-root stages:
+        # FSDP2 refuses a child of two roots ("already been lazily initialized"), 2.15.0 alike
+        lay["shared"] = "layers"
+    lay["caller_raf"] = not (kind != "plain" and r5.random() < 0.25)
+    return lay
 
 
-def _pp_ops(rng: random.Random, oracle: str, lay: dict) -> list:
+def _pp_ops(rng: random.Random, oracle: str, lay: dict, r5: random.Random) -> list:
     ops, pending, grads = [], False, False
     can_eval = lay["placement"] != "v"  # eval() of the V schedules fails and hangs on 2.15.0
     for _ in range(rng.randint(2, 5)):
@@ -105,7 +150,13 @@ def _pp_ops(rng: random.Random, oracle: str, lay: dict) -> list:
                 # Allowlisted differences: 2.15.0 drops FSDP gradients at the train-to-eval switch,
                 # the series keeps them (0007/0008; between accumulation steps and after a step)
                 continue
-            ops.append({"op": "eval", "no_grad": rng.random() < 0.3})
+            op = {"op": "eval", "no_grad": rng.random() < 0.3}
+            # A loss that runs its own backward in grad-mode eval() (issue 32): every stage kind in
+            # oracle b; oracle a only on plain stages (2.15.0 drops FSDP gradients at the switch)
+            if not op["no_grad"] and (oracle == "b" or lay["kind"] == "plain") and r5.random() < 0.5:
+                op["loss_backward"] = True
+                grads = True
+            ops.append(op)
         elif r < 0.9 and not pending:
             ops.append({"op": "optim"})
             grads = False
@@ -116,7 +167,35 @@ def _pp_ops(rng: random.Random, oracle: str, lay: dict) -> list:
         ops += [{"op": "step", "finalize": True}, {"op": "optim"}]
     elif ops[-1]["op"] != "optim":
         ops.append({"op": "optim"})
+    # FSDP2's no-sync idiom across steps (issue 34 point 2): steps under the caller's no-sync, then
+    # one that syncs; the old setter in both oracles (oracle a: not on FSDP-root stages, where the
+    # series fixes 2.15.0 on purpose), fsdp_policy(requires_gradient_sync=False) in oracle b
+    if r5.random() < 0.2 and (oracle == "b" or lay["kind"] != "fsdp"):
+        idiom = "setter" if oracle == "a" or r5.random() < 0.5 else "scope"
+        ops += [{"op": "nosync", "steps": r5.choice([1, 2]), "idiom": idiom},
+                {"op": "step", "finalize": True}, {"op": "optim"}]
+    # A step that fails on one rank only (issue 32 point 3, issue 34 points 1 and 4): the loss or a
+    # stage forward raises there; the failed rank retries, skips the batch or exits. Last operation
+    # (the process group is broken afterwards), after a clean step (so no metadata probe runs in it)
+    if lay["world"] == 2 and r5.random() < 0.08:
+        n_stages = 2 if lay["placement"] == "single" else 4
+        where = r5.choice(["loss", "forward"])
+        ops += [{"op": "step", "finalize": True}, {"op": "optim"},
+                {"op": "fail", "where": where, "stage": r5.randrange(n_stages) if where == "forward" else n_stages - 1,
+                 "mb": r5.randrange(lay["n_mb"]), "after": r5.choice(["retry", "skip", "exit"])}]
     return ops
+
+
+#: The rediscovery set of seeds.json (revision 3's four bugs): its programs stay as revision 4's
+#: generator drew them, so that re-introducing one of those bugs still makes its seed fail.
+REDISCOVERY = {("b", 92), ("b", 57), ("b", 160), ("b", 13)}
+
+
+class _NoDraws:
+    """A stream whose every probability test fails: no revision 5 addition."""
+
+    def random(self):
+        return 1.0
 
 
 def generate(seed: int, oracle: str) -> dict:
@@ -125,12 +204,24 @@ def generate(seed: int, oracle: str) -> dict:
         raise ValueError(f"oracle must be 'a' or 'b', not {oracle!r}")
     rng = random.Random(f"{oracle}:{seed}")
     family = "pp" if rng.random() < 0.5 else "fsdp"
-    lay = _pp_layout(rng, oracle) if family == "pp" else _fsdp_layout(rng, oracle)
+    # Revision 5's additions, a stream of their own; the rediscovery seeds keep revision 4's programs
+    r5 = _NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r5")
+    lay = _pp_layout(rng, oracle, r5) if family == "pp" else _fsdp_layout(rng, oracle)
     extra = random.Random(f"{oracle}:{seed}:extra")
     if family == "fsdp":  # a third stream, so that the other draws stay
         lay["mp"] = random.Random(f"{oracle}:{seed}:mp").random() < 0.2  # bf16 parameters, fp32 reduction
-    ops = _pp_ops(rng, oracle, lay) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra)
+        lay["offload"] = r5.random() < 0.12  # CPUOffloadPolicy on every fully_shard call
+        # replicate() instead of fully_shard() (FSDPModules too; no reshard_after_forward argument)
+        lay["replicate"] = (not lay["offload"] and not lay["mp"] and lay["mesh"] == "1d" and lay["raf"] is True
+                            and r5.random() < 0.12)
+    ops = _pp_ops(rng, oracle, lay, r5) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra, r5)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
+
+
+def gloo_timeout(program: dict) -> float:
+    """The process-group timeout of ``program``'s ranks: short (genlib_pp.FAIL_TIMEOUT_S) when a rank
+    fails alone, so that a peer that waits for it costs seconds (and is observed as "slow")."""
+    return 4.0 if program["ops"] and program["ops"][-1]["op"] == "fail" else 8.0
 
 
 def name(program: dict) -> str:
@@ -150,15 +241,41 @@ def valid(program: dict) -> bool:
             return False
         if lay["chunked"] and program["oracle"] != "b":
             return False
+        if lay.get("replicate") and (lay["mesh"] != "1d" or lay["raf"] is not True or lay.get("mp") or lay.get("offload")):
+            return False
         for op in program["ops"]:
             if "fail_mb" in op and (lay["chunked"] or lay["manual_final"] or op["fail_mb"] >= lay["n_mb"] - 1):
                 return False
+            if op.get("fail_in") == "forward" and op.get("fail_mb") != 0:
+                return False
+            if (op["op"] == "eval_chunked" or "drop_mb" in op) and not (lay["chunked"] and lay["head"] in SCOPE_HEADS):
+                return False
+            if "drop_mb" in op:
+                k, n = op["drop_mb"], lay["n_mb"]
+                if k >= n or (op["sync"] != "every" and k == n - 1 and n > 1) or lay["manual_final"]:
+                    return False
+            if op.get("head_metric") and not lay["chunked"]:
+                return False
+            if op.get("fail_chunk") and not (
+                    lay["n_mb"] >= 2 and op["sync"] == "last" and lay["head"] in ("separate", "grouped")
+                    and not lay["aux"] and not lay["manual_final"] and op.get("drop_mb") != 0):
+                return False
         return any(op["op"] == "train" for op in program["ops"])
-    if lay["kind"] != "plain" and lay["shared"] != "none":
-        return False
+    if lay["kind"] != "plain" and lay["shared"] not in ("none", "layers" if lay["kind"] == "container" else "none"):
+        return False  # a tied embedding would be two FSDP groups' parameter, a shared block a child of two roots
     if lay["kind"] == "plain" and lay["world"] != 2:
         return False
-    return any(op["op"] == "step" for op in program["ops"])
+    ops = program["ops"]
+    for i, op in enumerate(ops):
+        if op["op"] == "fail":
+            if i != len(ops) - 1 or lay["world"] != 2:
+                return False
+            earlier = [o["op"] for o in ops[:i] if o["op"] in ("step", "eval", "nosync")]
+            if not earlier or earlier[-1] == "eval":  # a clean step first: no metadata probe in it
+                return False
+        if op["op"] == "nosync" and (i + 1 >= len(ops) or ops[i + 1] != {"op": "step", "finalize": True}):
+            return False  # the step that syncs follows
+    return any(op["op"] == "step" for op in ops)
 
 
 # ---- rendering ---------------------------------------------------------------
@@ -185,15 +302,20 @@ def _render_fsdp(program: dict, keep=None) -> list:
     mp = ", mp_policy=mp" if lay.get("mp") else ""
     if mp:
         L.append("mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    if lay.get("offload"):
+        L.append("off = CPUOffloadPolicy(pin_memory=False)")
+        mp += ", offload_policy=off"
+    shard = "replicate" if lay.get("replicate") else "fully_shard"  # replicate() takes no reshard_after_forward
     if lay["blocks"] == "per_block":
-        L.append(f"for layer in m.layers:\n    fully_shard(layer, mesh=mesh, reshard_after_forward={lay['raf']}{mp})")
+        raf = "" if lay.get("replicate") else f", reshard_after_forward={lay['raf']}"
+        L.append(f"for layer in m.layers:\n    {shard}(layer, mesh=mesh{raf}{mp})")
     if lay["aux"]:
-        L.append(f"fully_shard(m.mtp, mesh=mesh{mp})")
+        L.append(f"{shard}(m.mtp, mesh=mesh{mp})")
     head = {"separate": "m.lm_head", "grouped": "[m.norm, m.lm_head]",
             "tied": "[m.tok_embeddings, m.norm, m.lm_head]"}.get(lay["head"])
     if head:
-        L.append(f"fully_shard({head}, mesh=mesh{mp})")
-    L.append(f"fully_shard(m, mesh=mesh{mp})")
+        L.append(f"{shard}({head}, mesh=mesh{mp})")
+    L.append(f"{shard}(m, mesh=mesh{mp})")
     L.append("opt, ref_opt = torch.optim.SGD(m.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)")
     if want("reductions per group == minimum"):
         L.append(f"reductions = Reductions(m, tied={lay['head'] == 'tied'})")
@@ -213,6 +335,7 @@ def _render_fsdp(program: dict, keep=None) -> list:
         L.append("m.set_manual_backward_finalization(True)")
     groups = _fsdp_groups(lay)
     step = 0
+    gathered_check = any("drop_mb" in op or op["op"] == "eval_chunked" for op in program["ops"])
     for i, op in enumerate(program["ops"]):
         kind = op["op"]
         L.append(f"# op {i}: {json.dumps(op)}")
@@ -221,6 +344,10 @@ def _render_fsdp(program: dict, keep=None) -> list:
             L += _render_fsdp_train(lay, op, step, b, groups, n_mb, bool(probe), want)
             step += 1
         elif kind == "optim":
+            if b and gathered_check and want("head not gathered across optimizer.step"):
+                # a scope never leaves its groups gathered across optimizer.step() (api.md section 8)
+                L.append('ctx.check("head not gathered across optimizer.step", unsharded_bytes(head_groups(m)) == 0, '
+                         f'f"op {i}: {{unsharded_bytes(head_groups(m))}} B")')
             # bf16 parameters: within 5 % of the reference's largest gradient (a missing or doubled
             # reduction is off by 100 %)
             L.append(f'optim_step(ctx, m, ref, opt, ref_opt, "op {i}"' + (", rel=0.05)" if lay.get("mp") else ")"))
@@ -239,6 +366,9 @@ def _render_fsdp(program: dict, keep=None) -> list:
                 # no_grad forward, and optimizer.step() updates only the sharded parameters, so the
                 # next forward would train on pre-step weights: reshard() them (findings/gen_b_456.py)
                 L.append("for x in fsdp_modules(m):\n    x.reshard()")
+        elif kind == "eval_chunked":  # oracle b: a no_grad chunk loop inside the head's scope
+            L.append(f"t, _ = data(99, rank, 0)\neval_chunk_loop(ctx, m, t, {lay['n_chunks']})")
+            L.append("reshard_body(m)  # 2.15.0: the root keeps its parameters after a no_grad forward")
         elif kind == "state_dict":
             L.append("m.load_state_dict(m.state_dict())")
         elif kind == "reshard":
@@ -271,28 +401,47 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
             L.append(f"    m.set_{field}({sync}, recurse=True)")
         if op.get("is_last_backward"):
             L.append(f"    m.set_is_last_backward({last})")
-    if fail is not None:
+    chunk_fail = op.get("fail_chunk")
+    drop = op.get("drop_mb")
+    if fail is not None or chunk_fail:
         L.append("    try:")
         ind += "    "
     if b:
         L.append(f"{ind}with m.fsdp_policy({field}={sync}, recurse=True):")
         ind += "    "
     if lay["chunked"]:
-        L.append(f"{ind}chunked_loss(m, t, y, {n_mb}, {lay['n_chunks']})")
+        kw = (f", drop=mb == {drop}" if drop is not None else "") + (", metric=True" if op.get("head_metric") else "")
+        kw += (", fail_head=mb == 0" if chunk_fail == "forward" else ", fail_bwd=mb == 0") if chunk_fail else ""
+        L.append(f"{ind}chunked_loss(m, t, y, {n_mb}, {lay['n_chunks']}{kw})")
     else:
-        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b}" + (f", fail=mb == {fail})" if fail is not None else ")"))
-    if fail is not None:
+        kw = (f", fail=mb == {fail}" if fail is not None else "") + (", fail_in=\"forward\"" if op.get("fail_in") else "")
+        L.append(f"{ind}full_loss(m, t, y, {n_mb}, finish={b}{kw})")
+    if op.get("fail_in") == "forward":
+        L.append("    except InjectedError:  # on every rank, inside layers[1]'s forward\n"
+                 "        m.reset_iter_state()  # the documented recovery")
+    elif fail is not None:
         L.append("    except InjectedError:  # on every rank, before its backward\n        pass")
+    elif chunk_fail:
+        where = "head forward" if chunk_fail == "forward" else "backward"
+        L.append(f"    except InjectedError:  # inside chunk 1's {where} of microbatch 0 (issue 33 point 3)\n"
+                 f"        after_failed_chunk_backward(ctx, m, reset={chunk_fail != 'backward_noreset'})")
     if lay["manual_final"]:
         L.append("m.finalize_backward()")
-    L.append(f"ref_train(ref, {step}, world, {n_mb}" + (f", skip={fail})" if fail is not None else ")"))
+    if drop is not None:
+        # 2.15.0 (fully_shard's docstring): the root and groups that do not reshard after forward keep
+        # their parameters after a forward with no backward; the head's scope must not (issue 33)
+        L.append("reshard_body(m)")
+    skips = tuple(k for k in (fail, 0 if chunk_fail else None, drop) if k is not None)
+    skip = skips[0] if len(skips) == 1 else (skips or None)
+    L.append(f"ref_train(ref, {step}, world, {n_mb}" + (f", skip={skip})" if skip is not None else ")"))
     if not b:
         if want("reductions per group == minimum"):
             L.append('ctx.value("reductions", sorted(reductions.count.items()))')
         return L
-    reducing = 1 if op["sync"] == "last" else n_mb - (fail is not None)
+    # microbatches that reduce: every one or the last, without the one that failed or was dropped
+    reducing = len(({n_mb - 1} if op["sync"] == "last" else set(range(n_mb))) - set(skips))
     if want("reductions per group == minimum"):
-        L.append(f"expected = {sorted(reducing * g for g in groups)}  # reductions of each trainable group")
+        L.append(f"expected = {sorted(reducing * g for g in groups if reducing)}  # reductions of each trainable group")
         L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
                  f'f"step {step}: {{dict(reductions.count)}} vs {{expected}}")')
     if want("policy restored"):
@@ -311,26 +460,46 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
 
 def _render_pp(program: dict, keep=None) -> list:
     lay = program["layout"]
+    b = program["oracle"] == "b"
     idle = keep is None or bool({"no pending gradients", "resharded"} & set(keep))
+    extra = "" if lay.get("caller_raf", True) else ", caller_raf=False"
+    if b and lay["kind"] != "plain" and (keep is None or "policy between steps == caller's" in keep):
+        extra += ", policy_check=True"  # get_fsdp_policy() after every step equals the caller's
     L = [f"pipe = Pipe(ctx, rank, world, {lay['schedule']!r}, {lay['placement']!r}, {lay['kind']!r}, "
-         f"shared={lay['shared']!r}, n_mb={lay['n_mb']}, scale_grads={lay['scale_grads']})"]
-    data_step = 0
+         f"shared={lay['shared']!r}, n_mb={lay['n_mb']}, scale_grads={lay['scale_grads']}{extra})"]
+    data_step, pending = 0, False
     for i, op in enumerate(program["ops"]):
         kind = op["op"]
         L.append(f"# op {i}: {json.dumps(op)}")
         if kind == "step":
             extra = "" if op["finalize"] else ", finalize_gradients=False"
             L.append(f"pipe.run({data_step}{extra})")
-            if op["finalize"] and program["oracle"] == "b" and idle:
+            if op["finalize"] and b and idle:
                 L.append(f'pipe.check_idle("op {i}")')
             data_step += 1
+            pending = not op["finalize"]
         elif kind == "eval":
-            call = f"pipe.run({50 + i}, eval_mode=True)"
+            call = f"pipe.run({50 + i}, eval_mode=True" + (", loss_backward=True)" if op.get("loss_backward") else ")")
             L.append(f"with torch.no_grad():\n    {call}" if op["no_grad"] else call)
+            if op.get("loss_backward") and b and idle and not pending:
+                # an evaluation step leaves no pending gradients or FSDP state (api.md section 6)
+                L.append(f'pipe.check_idle("op {i}")')
         elif kind == "optim":
             L.append(f'pipe.optim_step("op {i}")')
         elif kind == "zero_grad":
             L.append("pipe.zero_grad()")
+        elif kind == "nosync":
+            steps = [f"pipe.run({data_step + k})" for k in range(op["steps"])]
+            data_step += op["steps"]
+            if op["idiom"] == "setter":
+                L += ["pipe.set_sync(False)  # the caller's no-sync: the old setter on the stages' FSDP modules",
+                      *steps, "pipe.set_sync(True)"]
+            else:
+                L.append("with pipe.no_sync_scope():  # requires_gradient_sync=False scopes around the steps")
+                L += [f"    {x}" for x in steps]
+        elif kind == "fail":
+            L.append(f"pipe.fail_one_rank({data_step}, {op['where']!r}, {op['stage']}, {op['mb']}, {op['after']!r})")
+            data_step += 2
     return L
 
 
@@ -363,7 +532,11 @@ def shrink_candidates(program: dict) -> list:
         out.append({**program, "ops": ops[:i] + ops[i + 1:]})
     for i, op in enumerate(ops):
         if "fail_mb" in op:
-            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != "fail_mb"}] + ops[i + 1:]})
+            out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k not in ("fail_mb", "fail_in")}]
+                        + ops[i + 1:]})
+        for key in ("drop_mb", "head_metric", "fail_chunk", "loss_backward"):
+            if key in op:
+                out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != key}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),
                             ("prefetch_head", False)):
             if key in op and op[key] != simple:
@@ -409,6 +582,8 @@ def script(program: dict, failure: str = "", where: str = os.path.join(HERE, "fi
                f"sys.path.insert(0, os.path.join({', '.join(parts)}))  # tools/parity",
                f"from genlib_{program['family']} import *  # noqa: E402,F401,F403 - the model, reference, checks",
                "from genscript import main  # noqa: E402", "", ""]
+    timeout = gloo_timeout(program)
     tail = ["", "", 'if __name__ == "__main__":',
-            f"    main(body, world={lay['world']}" + (", trace=True)" if trace else ")")]
+            f"    main(body, world={lay['world']}" + (", trace=True" if trace else "")
+            + (f", timeout_s={timeout})" if timeout != 8.0 else ")")]
     return "\n".join(head + imports) + "\n" + body + "\n" + "\n".join(tail) + "\n"

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401 - used by programs
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
@@ -16,12 +17,20 @@ V, D, S, B = 32, 16, 8, 2  # vocabulary, width, sequence length, microbatch size
 LR, TOL = 0.1, 1e-4
 
 
+class InjectedError(Exception):
+    """What a loss, a forward or a chunk's backward that the program makes fail raises."""
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(D, D)
+        self.fail = False  # raise InjectedError in the next forward (then reset)
 
     def forward(self, x):
+        if self.fail:
+            self.fail = False
+            raise InjectedError("injected in a block's forward")
         return x + torch.tanh(self.lin(x))
 
 
@@ -69,13 +78,11 @@ def ce(logits, labels, n_mb):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (B * S * n_mb)
 
 
-class InjectedError(Exception):
-    """What the loss of a microbatch that the program makes fail raises (before its backward)."""
-
-
-def full_loss(m, tokens, labels, n_mb, finish=False, fail=False):
+def full_loss(m, tokens, labels, n_mb, finish=False, fail=False, fail_in="loss"):
     """One microbatch without chunking; ``fail``: the loss raises ``InjectedError`` instead of
-    running the backward."""
+    running the backward (``fail_in="forward"``: ``layers[1]``'s forward raises it)."""
+    if fail and fail_in == "forward":
+        m.layers[1].fail = True
     h = m(tokens)
     logits = m.head(h)
     loss = ce(scope_of(m).finish_forward(logits) if finish else logits, labels, n_mb)
@@ -91,27 +98,75 @@ def scope_of(m):
     return m.lm_head if isinstance(m.lm_head, FSDPModule) else m
 
 
-def chunked_loss(m, tokens, labels, n_mb, n_chunks):
-    """One microbatch of the chunked loss: one ``partial_backward`` scope per head."""
+def _raise_injected(*_):
+    raise InjectedError("injected in a chunk's backward")
+
+
+def chunked_loss(m, tokens, labels, n_mb, n_chunks, drop=False, metric=False, fail_bwd=False, fail_head=False):
+    """One microbatch of the chunked loss: one ``partial_backward`` scope per head. ``drop``: the
+    chunk losses are computed and no backward runs (a loss guard drops the microbatch; the decoder
+    backward is skipped too); ``metric``: a grad-enabled call of the head outside the scope whose
+    output is detached (a last-position metric); ``fail_bwd``: chunk 1's backward raises
+    ``InjectedError`` after the head's backward ran; ``fail_head``: it raises after chunk 1's head
+    forward, inside the scope, before ``finish_forward``."""
     h = m(tokens)
     chunks = [c.detach().requires_grad_(h.requires_grad) for c in h.chunk(n_chunks, 1)]
+    if metric:
+        scope_of(m).finish_forward(m.head(h[:, -1:])).detach()
     heads = [(scope_of(m), m.head, labels)]
     if m.mtp is not None:
         heads.append((m.mtp, m.aux, labels.roll(1, 1)))
     for scope, head, target in heads:
         with scope.partial_backward(outer_backward=h.requires_grad):
-            for c, t in zip(chunks, target.chunk(n_chunks, 1)):
-                ce(scope.finish_forward(head(c)), t, n_mb).backward()
-    if h.requires_grad:
+            for j, (c, t) in enumerate(zip(chunks, target.chunk(n_chunks, 1))):
+                out = head(c)
+                if fail_head and j == 1:
+                    raise InjectedError("injected after a chunk's head forward")
+                loss = ce(scope.finish_forward(out), t, n_mb)
+                if drop:
+                    continue
+                if fail_bwd and j == 1:
+                    c.register_hook(_raise_injected)
+                loss.backward()
+    if h.requires_grad and not drop:
         h.backward(torch.cat([c.grad for c in chunks], 1))
+
+
+def after_failed_chunk_backward(ctx, m, reset):
+    """After an exception inside a chunk's backward (or its head forward, in the scope):
+    ``reset_iter_state()`` on the root, the
+    documented recovery. Without it first (``reset=False``) the next scope entry must refuse with
+    an error that says to call ``reset_iter_state()`` on the root (api.md section 8); then the
+    program resets."""
+    if not reset:
+        try:
+            with scope_of(m).partial_backward(outer_backward=True):
+                pass
+            ctx.check("refusal names reset_iter_state()", False,
+                      "a scope was entered after a failed chunk backward without reset_iter_state()")
+        except Exception as exc:  # noqa: BLE001 - the refusal under test
+            ctx.check("refusal names reset_iter_state()", "reset_iter_state" in str(exc),
+                      f"{type(exc).__name__}: {str(exc)[:160]}")
+    m.reset_iter_state()
+
+
+def eval_chunk_loop(ctx, m, tokens, n_chunks):
+    """A ``torch.no_grad()`` evaluation chunk loop inside the head's ``partial_backward`` scope."""
+    with torch.no_grad():
+        h = m(tokens)
+        scope = scope_of(m)
+        with scope.partial_backward(outer_backward=False):
+            for c in h.chunk(n_chunks, 1):
+                ctx.tensor("eval", scope.finish_forward(m.head(c)))
 
 
 def ref_train(ref, step, world, n_mb, skip=None):
     """The reference's gradients for one optimizer step of every rank's data (without microbatch
-    ``skip``, whose loss failed on every rank)."""
+    ``skip`` or the microbatches of a tuple ``skip``: failed on every rank, or dropped)."""
+    skip = skip if isinstance(skip, tuple) else (skip,)
     for rank in range(world):
         for mb in range(n_mb):
-            if mb == skip:
+            if mb in skip:
                 continue
             t, y = data(step, rank, mb)
             h = ref(t)
@@ -127,6 +182,22 @@ def fsdp_modules(m):
 
 def groups(m):
     return [g for x in fsdp_modules(m) for g in x._get_fsdp_state()._fsdp_param_groups]
+
+
+def head_groups(m):
+    """The groups of the head's own FSDP state (where the chunked loss enters its scope)."""
+    scope = scope_of(m)
+    return [] if scope is m else list(scope._get_fsdp_state()._fsdp_param_groups)
+
+
+def reshard_body(m):
+    """``reshard()`` of every FSDP module but the head's state: what 2.15.0 asks after a forward
+    without a backward (the root keeps its parameters), without touching what a scope left."""
+    scope = scope_of(m)
+    head = None if scope is m else scope._get_fsdp_state()
+    for x in fsdp_modules(m):
+        if x._get_fsdp_state() is not head:
+            x.reshard()
 
 
 def unsharded_bytes(group_list):

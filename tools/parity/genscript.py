@@ -49,18 +49,19 @@ class Ctx:
         return lambda *args, **kwargs: None
 
 
-def _rank(rank, world, store, body, trace):
+def _rank(rank, world, store, body, trace, timeout_s):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     body(rank, world, Ctx(rank, trace))
     dist.destroy_process_group()
 
 
-def main(body, world, trace=False):
+def main(body, world, trace=False, timeout_s=20.0):
+    """``timeout_s``: the process-group timeout (short for a program in which one rank fails)."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_rank, args=(world, tmp + "/store", body, trace), nprocs=world)
+            mp.spawn(_rank, args=(world, tmp + "/store", body, trace, timeout_s), nprocs=world)
         except Exception as exc:  # noqa: BLE001 - the failure the script reproduces
             print(f"FAILED: {str(exc).strip().splitlines()[-1]}")
             sys.exit(1)
