@@ -165,12 +165,12 @@ class TestOneRankFailure(_Base):
         rank retries the batch or skips to the next one; or stage 0's backward
         raises at the last microbatch, after its last exchange (the healthy
         rank's step completes), and the failed rank retries. The failed
-        rank's next step raises a RuntimeError that says to recreate
-        the process group and the schedule, and the healthy rank's step (the failed one,
-        or its next one when the failed one completed, with the reference
-        gradients) raises within ONE_RANK_FAST_S, not at the process group
-        timeout. Revision 4: the healthy rank waits for the timeout (or its
-        step completes and the retry trains on the wrong data)."""
+        rank's next step raises a RuntimeError that says to recreate the
+        process group and the schedule, and the healthy rank's step (the
+        failed one, or its next one when the failed one completed with the
+        reference gradients) raises within ONE_RANK_FAST_S, not at the
+        process group timeout. Revision 4: the healthy rank waits for the
+        timeout, or the retry runs and trains on the wrong data."""
         for dp in LAYOUTS:
             for where, after in (("loss", "retry"), ("loss", "skip"), ("backward", "retry")):
                 self._check_one_rank_failure(schedule, dp, where, after)
