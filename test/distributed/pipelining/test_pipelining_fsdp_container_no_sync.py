@@ -272,26 +272,36 @@ class TestPipelineContainerStageNoSync(_Base):
             self._optimizer_step()
 
     @parametrize("schedule", ["gpipe", "interleaved_1f1b", "zbv"])
-    def test_finalizing_step_reduces_under_callers_no_sync(self, schedule: str):
-        """With the caller's ``set_requires_gradient_sync(False)`` on every
-        block, a finalizing step still reduces each block once (2.15.0: not
-        at all, the blocks keep the gradients unreduced) and the caller's
-        policy is back after it, over two optimizer steps."""
+    def test_finalizing_step_keeps_callers_no_sync(self, schedule: str):
+        """FSDP2's accumulation idiom: with the caller's
+        ``set_requires_gradient_sync(False)`` on every block, a finalizing
+        step reduces nothing and scales nothing (the blocks keep their
+        gradients pending, as on 2.15.0), and the caller's policy is back
+        after it; the next step, after ``set_requires_gradient_sync(True)``,
+        reduces each block once and the gradients are the sum of both steps'
+        means (the series before this fix reduced and scaled at both steps:
+        off by ~1), over two optimizer steps."""
         sched = self._build(schedule)
-        for block in self.blocks:
-            block.set_requires_gradient_sync(False)
-        caller = [block.get_fsdp_policy() for block in self.blocks]
-        self.assertFalse(any(policy.requires_gradient_sync for policy in caller))
         for it in range(2):
-            a = self._data(it)
-            self.assertEqual(self._reduce_scatters(sched.step, a), len(self.blocks),
-                             msg=f"{schedule} {it}")
+            for block in self.blocks:
+                block.set_requires_gradient_sync(False)
+            caller = [block.get_fsdp_policy() for block in self.blocks]
+            self.assertFalse(any(policy.requires_gradient_sync for policy in caller))
+            a, b = self._data(2 * it), self._data(2 * it + 1)
+            self.assertEqual(self._reduce_scatters(sched.step, a), 0,
+                             msg=f"{schedule} {it}: no-sync step")
+            self.assertTrue(all(block.has_pending_gradients() for block in self.blocks))
+            self.assertEqual([block.get_fsdp_policy() for block in self.blocks], caller)
+            for block in self.blocks:
+                block.set_requires_gradient_sync(True)
+            caller = [block.get_fsdp_policy() for block in self.blocks]
+            self.assertEqual(self._reduce_scatters(sched.step, b), len(self.blocks),
+                             msg=f"{schedule} {it}: syncing step")
             self.assertFalse(any(block.has_pending_gradients() for block in self.blocks))
             self.assertEqual([block.get_fsdp_policy() for block in self.blocks], caller)
-            self._reference_grads([a])
+            self._reference_grads([a, b])
             self._assert_grads_match(f"{schedule} {it}")
             self._optimizer_step()
-
 
     @parametrize("schedule", ["interleaved_1f1b", "looped_bfs"])
     def test_block_shared_by_two_stages_of_a_rank(self, schedule: str):
@@ -369,7 +379,8 @@ class TestPipelineContainerStageNoSyncHSDP(_Base):
     def test_hsdp_all_reduces_once_per_finalizing_step(self, schedule: str):
         """With the caller's HSDP no-sync on every block
         (``requires_gradient_sync=False``, ``requires_all_reduce=False``),
-        step(finalize_gradients=False) then step, on different data per
+        step(finalize_gradients=False), then step after the caller's
+        ``set_requires_gradient_sync(True)``, on different data per
         replica: the finalizing step all-reduces once per block across the
         replicas (2.15.0: never), the gradients equal the reference's mean
         over both replicas' data, and the caller's policy is back after each
@@ -384,10 +395,16 @@ class TestPipelineContainerStageNoSyncHSDP(_Base):
                 ),
                 recurse=False,
             )
-        caller = [block.get_fsdp_policy() for block in self.blocks]
+        no_sync = [block.get_fsdp_policy() for block in self.blocks]
         for it in range(2):
             batches = []
             for finalize in (False, True):
+                if finalize:
+                    # The caller syncs the step that finalizes; see
+                    # test_finalizing_step_keeps_callers_no_sync
+                    for block in self.blocks:
+                        block.set_requires_gradient_sync(True)
+                caller = [block.get_fsdp_policy() for block in self.blocks]
                 gen = torch.Generator().manual_seed(10 * it + finalize)
                 x = torch.randn(2 * BATCH, DIM, generator=gen)
                 y = torch.randn(2 * BATCH, DIM, generator=gen)
@@ -403,6 +420,8 @@ class TestPipelineContainerStageNoSyncHSDP(_Base):
                     self.assertEqual(all_reduces, len(self.blocks) if finalize else 0,
                                      msg=f"{schedule} {it} finalize={finalize}")
                 self.assertEqual([block.get_fsdp_policy() for block in self.blocks], caller)
+            for block, policy in zip(self.blocks, no_sync):
+                block.set_fsdp_policy(policy, recurse=False)
             self._reference_grads(batches)
             for p_ref in self.reference.parameters():
                 p_ref.grad.div_(2)  # the mean over the two replicas
