@@ -239,7 +239,9 @@ def _microbatch(
         h.backward(torch.cat([c.grad for c in h_chunks], dim=1))
 
 
-def _eval_microbatch(model: Transformer, program: str, tokens: torch.Tensor) -> None:
+def _eval_microbatch(
+    model: Transformer, program: str, tokens: torch.Tensor, outer_backward: bool
+) -> None:
     """A ``torch.no_grad()`` evaluation of ``program``'s head calls."""
     with torch.no_grad():
         h = model(tokens)
@@ -247,7 +249,7 @@ def _eval_microbatch(model: Transformer, program: str, tokens: torch.Tensor) -> 
             _head_call(model, h)
             return
         scope_module = model if program == "root" else model.lm_head
-        with scope_module.partial_backward():
+        with scope_module.partial_backward(outer_backward=outer_backward):
             for h_chunk in h.chunk(NUM_CHUNKS, dim=1):
                 _head_call(model, h_chunk)
 
@@ -270,7 +272,9 @@ class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
       leave every group as the non-chunked program does: nothing gathered at
       ``optimizer.step()`` or after the evaluation. Revision 4 left the head
       gathered (2048 B): the next step's head forward skipped its all-gather
-      and used the pre-step weights (gradient error 5.7e-03).
+      and used the pre-step weights (gradient error 5.7e-03). The same holds
+      under manual backward finalization, also for an evaluation whose scope
+      has ``outer_backward=False`` (which left the head gathered and pending).
     - A grad-enabled head call on the last position before the scope, whose
       output is detached, does not make the outer backward reach a separate
       head: during the decoder backward the head holds what it holds in the
@@ -306,6 +310,7 @@ class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
         ):
             actual = param.grad if what == "grad" else param
             expected = ref_param.grad if what == "grad" else ref_param
+            self.assertIsNotNone(actual, f"{where}: {what} of {name}")
             torch.testing.assert_close(
                 actual.full_tensor().double(),
                 expected.detach(),
@@ -317,42 +322,54 @@ class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
     @parametrize("layout", list(HEAD_LAYOUTS))
     def test_scope_without_backward(self, layout: str):
         mesh = self._mesh()
+        # (program, whether the root uses manual backward finalization)
+        runs = [(p, manual) for p in PROGRAMS for manual in (False, True)]
         models, ref = {}, None
-        for program in PROGRAMS:
-            models[program], ref = _make_rootless_models(layout, mesh)
-        optims = {
-            p: torch.optim.SGD(m.parameters(), lr=LR) for p, m in models.items()
-        }
+        for run in runs:
+            models[run], ref = _make_rootless_models(layout, mesh)
+            models[run].set_manual_backward_finalization(run[1])
+        optims = {r: torch.optim.SGD(m.parameters(), lr=LR) for r, m in models.items()}
         ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
         num_steps = 3
         for step in range(num_steps):
             tokens, labels = random_token_microbatches(
                 100 * step + self.rank, 3, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
             )
-            held: dict[str, list[int]] = {}
-            for program, model in models.items():
+            held: dict[tuple[str, bool], list[int]] = {}
+            for (program, manual), model in models.items():
                 # Microbatch 0 trains; microbatch 1 is dropped before any
                 # backward (reducing, as the last microbatch of the step)
                 _microbatch(model, program, tokens[0], labels[0])
                 _microbatch(model, program, tokens[1], labels[1], skip_backward=True)
-                held[program] = [_held_bytes(model)]
+                if manual:
+                    model.finalize_backward()
+                held[program, manual] = [_held_bytes(model)]
+                # An evaluation chunk loop before optimizer.step(), its scope
+                # ending the backward itself (no outer backward follows)
+                _eval_microbatch(model, program, tokens[2], outer_backward=False)
+                held[program, manual].append(_held_bytes(model))
             self._reference_step(ref, tokens[:1], labels[:1])
-            for program, model in models.items():
-                where = f"step {step}, {program}"
+            for run, model in models.items():
+                where = f"step {step}, {run}"
+                # Nothing gathered at optimizer.step() (the first revision 5
+                # left the head gathered under manual finalization after the
+                # evaluation whose scope ends the backward)
+                self.assertEqual(held[run], [0, 0], f"{where}: unsharded bytes")
                 self._assert_close_to_reference(model, ref, "grad", where)
-                optims[program].step()
-                optims[program].zero_grad()
+                optims[run].step()
+                optims[run].zero_grad()
                 # An evaluation chunk loop between optimizer steps
-                _eval_microbatch(model, program, tokens[2])
-                held[program].append(_held_bytes(model))
+                _eval_microbatch(model, run[0], tokens[2], outer_backward=True)
+                held[run].append(_held_bytes(model))
             ref_optim.step()
             ref_optim.zero_grad()
-            for program, model in models.items():
-                where = f"step {step}, {program}"
+            for (program, manual), model in models.items():
+                where = f"step {step}, {program}, manual={manual}"
                 self._assert_close_to_reference(model, ref, "param", where)
+                self.assertFalse(model.has_pending_gradients(), where)
                 # At optimizer.step and after evaluation, as without chunking
-                self.assertEqual(held[program], held["full"], where)
-            self.assertEqual(held["full"], [0, 0])
+                self.assertEqual(held[program, manual], held["full", manual], where)
+                self.assertEqual(held["full", manual], [0, 0, 0], where)
 
     @parametrize("layout", list(HEAD_LAYOUTS))
     def test_detached_head_call_outside_scope(self, layout: str):
