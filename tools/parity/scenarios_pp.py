@@ -133,7 +133,7 @@ class Pipeline:
                 r.layers, r.head = self.ref.layers, self.ref.head
                 self.refs.append(r)
             self.ref = self.refs[self.dp_rank]
-        head_in_forward = loss != "own_backward"
+        head_in_forward = loss not in ("own_backward", "own_backward_in_eval")
         self.stage_mods = {}
         stages = []
         for idx in indices:
@@ -148,8 +148,10 @@ class Pipeline:
         self.container = nn.ModuleDict({str(i): m for i, m in self.stage_mods.items()})
         self.optim = torch.optim.SGD(self.container.parameters(), lr=LR)
         self.hooks = hooks or {}
+        self.own_backward_in_eval_only = loss == "own_backward_in_eval"
+        self.in_eval = False
         self.read_policies = not hooks  # a hook may change a policy with an old setter
-        loss_fn = self._own_backward_loss if loss == "own_backward" else self._loss
+        loss_fn = self._own_backward_loss if loss in ("own_backward", "own_backward_in_eval") else self._loss
         target = stages[0] if len(stages) == 1 else stages
         self.schedule = cls(target, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
         self.step_index = 0
@@ -195,6 +197,8 @@ class Pipeline:
         if hook is not None:
             hook(self)
         last = self.module(self.num_stages - 1)
+        if self.own_backward_in_eval_only and not self.in_eval:
+            return _ce(last.head(last.norm(h)), target)
         if not torch.is_grad_enabled() or not h.requires_grad:
             return _ce(last.head(last.norm(h)), target)
         h_detached = h.detach().requires_grad_(True)
@@ -234,7 +238,9 @@ class Pipeline:
         label = "eval" if eval_mode else "step"
         ctx.phase(f"{label} {data_step} {kwargs}")
         fn = self.schedule.eval if eval_mode else self.schedule.step
+        self.in_eval = eval_mode
         out = ctx.expect(fn, *args, losses=losses, **kw, **kwargs)
+        self.in_eval = False
         if not eval_mode:
             self.ref_step(data_step, kwargs.get("finalize_gradients", True))
         for i, loss in enumerate(losses):
@@ -584,7 +590,10 @@ def _grad_eval_own_backward_no_sync(ctx, sched):
     """A container stage whose blocks do not sync (set_requires_gradient_sync(False)) runs eval()
     in grad mode with a loss that runs its own backward (the head's gradients accumulate, unreduced);
     then the blocks sync again, the gradients are zeroed and training goes on."""
-    p = Pipeline(ctx, sched, "container", loss="own_backward")
+    # Training steps apply the head inside the loss without a backward of their own: with a
+    # container stage, a loss that runs its own backward in every step gives gradients that
+    # differ from run to run on 2.15.0 (NONDET), as for plain stages
+    p = Pipeline(ctx, sched, "container", loss="own_backward_in_eval")
     blocks = [m for mod in p.stage_mods.values() for m in mod.modules() if isinstance(m, FSDPModule)]
     p.step()
     p.optim_step()
