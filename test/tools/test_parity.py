@@ -81,13 +81,75 @@ def test_nondeterministic_pristine_fails_even_when_patched_matches():
 
 def test_allowlisted_diff_passes_and_stale_entry_fails():
     a, b = obs(AG, AG), obs(AG)
-    entry = {"scenario": "fsdp.eval.*", "reason": "one stale prefetch fewer", "patch": "0010-x.patch"}
+    entry = {"scenario": "fsdp.eval.*", "reason": "one stale prefetch fewer", "patch": "0010-x.patch",
+             "may_differ": ["collectives"]}
     lines, _, failed = run({"fsdp.eval.no_grad": a, "other": a}, {"fsdp.eval.no_grad": b, "other": a},
                            entries=[entry])
     assert lines[0].startswith("DIFF fsdp.eval.no_grad: ") and "allowlisted: 0010-x.patch" in lines[0]
     assert lines[1] == "SAME other" and lines[-1] == "PARITY: 1/2 scenarios identical" and not failed
     lines, _, failed = run({"fsdp.eval.no_grad": a}, {"fsdp.eval.no_grad": a}, entries=[entry])
     assert lines[0].startswith("STALE fsdp.eval.no_grad") and failed
+    # the message says what stopped appearing, and never advises deleting the entry
+    assert "collectives" in lines[0] and "stopped appearing" in lines[0]
+    assert "remove the entry" not in lines[0].lower() and "delete" not in lines[0].lower()
+
+
+def _grads(scale=1.0, bits="h1"):
+    return ("grads", {"w": f"(4,):float32:{bits}"}, {"w": [1.0 * scale, 2.0 * scale, 0.5 * scale]})
+
+
+CONTAINER = {"scenario": "pp.gpipe.container*", "reason": "0024", "patch": "0024-x.patch",
+             "may_differ": ["collectives", "rounding"]}
+
+
+def test_allowlisted_collectives_do_not_excuse_gradients():
+    """Issue 32: an entry for a container stage's collectives still compares its gradients; a
+    regression that divides them again (off by 4x) is a DIFF, summation order alone is not."""
+    a = obs(AG, RS, ("phase", "optimizer step 1"), _grads())
+    rounding = obs(AG, ("phase", "optimizer step 1"), _grads(1.0 + 1e-7, bits="h2"))
+    quartered = obs(AG, ("phase", "optimizer step 1"), _grads(0.25, bits="h3"))
+    lines, _, failed = run({"pp.gpipe.container": a}, {"pp.gpipe.container": rounding}, entries=[CONTAINER])
+    assert "allowlisted: 0024-x.patch: differs in collectives, rounding" in lines[0] and not failed
+    lines, _, failed = run({"pp.gpipe.container": a}, {"pp.gpipe.container": quartered}, entries=[CONTAINER])
+    assert failed and lines[0].startswith("DIFF pp.gpipe.container: rank 0 numbers event")
+    assert "beyond rounding" in lines[0] and "beyond what the allowlist entry" in lines[0]
+    # only collectives allowed: the same rounding is a difference (bits compared)
+    strict = {**CONTAINER, "may_differ": ["collectives"]}
+    lines, _, failed = run({"pp.gpipe.container": a}, {"pp.gpipe.container": rounding}, entries=[strict])
+    assert failed and "(bitwise)" in lines[0]
+    # an exception or a state change behind allowlisted collectives is still compared
+    raised = obs(AG, ("phase", "optimizer step 1"), _grads(), ("exception", "ValueError", "x"))
+    lines, _, failed = run({"pp.gpipe.container": a}, {"pp.gpipe.container": raised}, entries=[CONTAINER])
+    assert failed and "exceptions event" in lines[0]
+
+
+def test_pristine_wrong_numbers_are_judged_by_the_reference():
+    entry = {"scenario": "pp.zbv.fsdp", "reason": "0014", "patch": "0014-x.patch", "may_differ": ["numbers"]}
+    a = obs(_grads(0.5, bits="p"), ("ref", "grads before optimizer step 1", "off: w beyond 0.0001"))
+    good = obs(_grads(bits="q"), ("ref", "grads before optimizer step 1", "ok"))
+    bad = obs(_grads(0.25, bits="r"), ("ref", "grads before optimizer step 1", "off: w beyond 0.0001"))
+    lines, _, failed = run({"pp.zbv.fsdp": a}, {"pp.zbv.fsdp": good}, entries=[entry])
+    assert not failed and "allowlisted" in lines[0]
+    lines, _, failed = run({"pp.zbv.fsdp": a}, {"pp.zbv.fsdp": bad}, entries=[entry])
+    assert failed and "misses the float64 reference at 'grads before optimizer step 1'" in lines[0]
+    lines, _, failed = run({"pp.zbv.fsdp": obs(_grads(0.5))}, {"pp.zbv.fsdp": obs(_grads())}, entries=[entry])
+    assert failed and "records no float64 reference" in lines[0]
+    # an open bug names the reference records the patched torch may still miss, and goes STALE when fixed
+    opened = {**entry, "open": {"refs": ["grads before optimizer step 1"], "bug": "open bug X"}}
+    lines, _, failed = run({"pp.zbv.fsdp": a}, {"pp.zbv.fsdp": bad}, entries=[opened])
+    assert not failed and "OPEN: misses the reference at grads before optimizer step 1: open bug X" in lines[0]
+    lines, _, failed = run({"pp.zbv.fsdp": a}, {"pp.zbv.fsdp": good}, entries=[opened])
+    assert failed and any(line.startswith("STALE pp.zbv.fsdp: its open bug no longer shows") for line in lines)
+
+
+def test_stale_kind_of_an_entry_names_what_stopped_appearing():
+    """An entry whose named kind differs in none of its scenarios is STALE, naming that kind."""
+    a, b = obs(AG, AG, ("phase", "x"), _grads()), obs(AG, ("phase", "x"), _grads())
+    lines, _, failed = run({"pp.gpipe.container": a}, {"pp.gpipe.container": b}, entries=[CONTAINER])
+    stale = [line for line in lines if line.startswith("STALE pp.gpipe.container*")]
+    assert failed and len(stale) == 1
+    assert "rounding no longer differs in any of its 1 scenario(s)" in stale[0] and "summation order" in stale[0]
+    assert "remove the entry" not in stale[0].lower() and "delete" not in stale[0].lower()
 
 
 def test_scenario_only_on_one_side_is_a_diff():
@@ -95,10 +157,16 @@ def test_scenario_only_on_one_side_is_a_diff():
     assert lines[1].startswith("DIFF new: missing") and failed
 
 
-def test_allowlist_entries_need_scenario_reason_and_patch(tmp_path):
+def test_allowlist_entries_need_scenario_reason_patch_and_kinds(tmp_path):
     path = tmp_path / "allowlist.json"
-    path.write_text(json.dumps({"entries": [{"scenario": "a", "reason": "", "patch": "p"}]}))
+    path.write_text(json.dumps({"entries": [{"scenario": "a", "reason": "", "patch": "p", "may_differ": ["state"]}]}))
     with pytest.raises(ValueError, match="lacks reason"):
+        runner.load_allowlist(str(path))
+    path.write_text(json.dumps({"entries": [{"scenario": "a", "reason": "r", "patch": "p"}]}))
+    with pytest.raises(ValueError, match="lacks may_differ"):
+        runner.load_allowlist(str(path))
+    path.write_text(json.dumps({"entries": [{"scenario": "a", "reason": "r", "patch": "p", "may_differ": ["grads"]}]}))
+    with pytest.raises(ValueError, match="not among"):
         runner.load_allowlist(str(path))
     assert runner.load_allowlist(str(tmp_path / "none.json")) == []
     for entry in runner.load_allowlist(str(PARITY / "allowlist.json")):  # the shipped one parses

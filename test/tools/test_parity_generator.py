@@ -192,6 +192,86 @@ def test_seed_sets_and_known_failures_are_well_formed():
     assert rules and all(r["bug"].strip() for r in rules)
 
 
+SERIES = {"kind": "series", "revision": 4}
+PRISTINE = {"kind": "pristine"}
+REV3 = {"kind": "series", "revision": 3}
+
+
+def _rule(torch, **extra):
+    return {"id": f"b.fsdp.{torch}", "oracle": "b", "family": "fsdp", "signatures": ["head freed"],
+            "layout": {"manual_final": True}, "bug": f"a {torch} bug", "torch": torch, **extra}
+
+
+PROG_B = {"oracle": "b", "family": "fsdp", "seed": 8, "layout": {"manual_final": True}, "ops": [{"op": "step"}]}
+
+
+def test_a_fixed_rule_never_excuses_the_current_series():
+    """Issue 32 point 1: a match with a rule for a bug revision 4 fixed is a FAIL naming the rule."""
+    fixed = _rule("fixed", fixed_in="revision 4", pristine=False, fixed_by="0010-x.patch")
+    status, rid, text = generate.judge(PROG_B, ("head freed", "rank 0: 2048 B"), [fixed], {}, {}, SERIES)
+    assert (status, rid) == ("FAIL", "b.fsdp.fixed")
+    assert "matches rule b.fsdp.fixed (fixed): regression: fixed in revision 4 by 0010-x.patch" in text
+    assert generate.judge(PROG_B, ("head freed", "x"), [fixed], {}, {}, REV3)[0] == "KNOWN"
+    assert generate.judge(PROG_B, ("head freed", "x"), [fixed], {}, {}, PRISTINE)[0] == "FAIL"
+    # a 2.15.0 bug the series fixes excuses only 2.15.0's observation
+    pristine_only = _rule("fixed", fixed_in="revision 1", pristine=True)
+    assert generate.judge(PROG_B, ("head freed", "x"), [pristine_only], {}, {}, PRISTINE)[0] == "KNOWN"
+    assert generate.judge(PROG_B, ("head freed", "x"), [pristine_only], {}, {}, SERIES)[0] == "FAIL"
+    kept = _rule("kept")
+    assert all(generate.judge(PROG_B, ("head freed", "x"), [kept], {}, {}, t)[0] == "KNOWN"
+               for t in (SERIES, PRISTINE, REV3))
+    opened = _rule("open", seen_in="revision 4")
+    assert generate.judge(PROG_B, ("head freed", "x"), [opened], {}, {}, SERIES)[0] == "KNOWN"
+    assert generate.judge(PROG_B, ("head freed", "x"), [opened], {}, {}, {"kind": "series", "revision": 5})[0] == "FAIL"
+    # a rediscovery seed of a fixed bug that fails again with its old signature
+    old = {("b", 8): {"oracle": "b", "seed": 8, "signature": "head freed", "bug": "issue 24 point 1",
+                      "script": "findings/gen_b_13.py", "fixed_in": "revision 4"}}
+    status, _, text = generate.judge(PROG_B, ("head freed", "x"), [kept], old, {}, SERIES)
+    assert status == "FAIL" and "regression of a bug fixed in revision 4: issue 24 point 1" in text
+
+
+def test_an_intended_difference_never_excuses_a_failed_own_check():
+    rule = {"id": "a.pp.0022", "oracle": "a", "family": "pp", "signatures": ["differs: grads"], "bug": "0022",
+            "torch": "intended", "patch": "0022-x.patch"}
+    prog = {"oracle": "a", "family": "pp", "seed": 1, "layout": {}, "ops": []}
+    assert generate.judge(prog, ("differs: grads", "x"), [rule], {}, {}, SERIES)[0] == "KNOWN"
+    status, _, text = generate.judge(prog, ("differs: grads", "x", "grad matches reference"), [rule], {}, {}, SERIES)
+    assert status == "FAIL" and "fails its own check (grad matches reference)" in text
+    assert generate.judge(prog, ("differs: grads", "x"), [rule], {}, {}, PRISTINE)[0] == "FAIL"
+
+
+def test_rule_counts_that_grow_or_shrink_fail():
+    assert generate.compare_counts({"r": ["gen.b.1"]}, {"r": ["gen.b.1"]}) == []
+    grown = generate.compare_counts({"r": ["gen.b.1", "gen.b.8"]}, {"r": ["gen.b.1"]})
+    assert grown == [(True, "COUNT r: 2 programs, 1 expected (grew; newly matching: gen.b.8)")]
+    shrunk = generate.compare_counts({}, {"r": ["gen.b.1"]})
+    assert shrunk == [(True, "COUNT r: 0 programs, 1 expected (shrank; no longer matching: gen.b.1)")]
+    moved = generate.compare_counts({"r": ["gen.b.2"]}, {"r": ["gen.b.1"]})
+    assert moved[0][0] and "moved" in moved[0][1]
+
+
+def test_known_rules_name_their_torch(tmp_path):
+    _, rules = generate.load_known(str(PARITY / "known.json"))
+    assert all(r["torch"] in generate.RULE_TORCHES for r in rules)
+    assert len({r["id"] for r in rules}) == len(rules)
+    # the rules for revision 3's findings no longer excuse the current series
+    for rid in ("b.fsdp.manual-final-head-held", "b.pp.shared-layer-grad-none-after-eval"):
+        rule = next(r for r in rules if r["id"] == rid)
+        assert generate.judge_rule(rule, SERIES) is not None and generate.judge_rule(rule, REV3) is None
+    bad = tmp_path / "known.json"
+    bad.write_text(json.dumps({"known": [], "rules": [{**_rule("fixed"), "pristine": True}]}))
+    with pytest.raises(ValueError, match="lacks fixed_in"):
+        generate.load_known(str(bad))
+    bad.write_text(json.dumps({"known": [], "rules": [{**_rule("kept"), "torch": "both"}]}))
+    with pytest.raises(ValueError, match="is not one of"):
+        generate.load_known(str(bad))
+    expected = PARITY / "expected-ci.json"
+    if expected.exists():
+        data = json.loads(expected.read_text())
+        ids = {r["id"] for r in rules}
+        assert set(data["rules"]) <= ids, set(data["rules"]) - ids
+
+
 def test_rules_match_by_signature_layout_and_ops():
     rules = [{"oracle": "b", "family": "pp", "signatures": ["grad present"], "layout": {"shared": "layers"},
               "ops": ["eval"], "bug": "x"}]

@@ -6,8 +6,10 @@ and on a patched torch (once) and compares everything each rank observed.
 Prints ``SAME <name>``, ``DIFF <name>: <first difference>`` (or ``NONDET`` when
 the pristine torch differs from itself) per scenario and ``PARITY: k/n
 scenarios identical``. Exits 1 on a nondeterministic scenario, on a difference
-that ``allowlist.json`` does not list, or on an allowlist entry whose scenario
-is identical (remove it). Writes the comparison and the raw observations under
+that ``allowlist.json`` does not allow (an entry names the kinds of observation
+that may differ, ``may_differ``; everything else is still compared, against
+2.15.0 or against the scenario's float64 reference), or on a ``STALE`` entry
+(a difference it names stopped appearing). Writes the comparison and the raw observations under
 ``results/`` (``--results DIR``). Standard library only: torch is imported by
 ``worker.py`` in the child processes.
 """
@@ -146,17 +148,43 @@ def compare(a: dict, b: dict):
     return None
 
 
+#: What an allowlist entry may let differ (``may_differ``), by event kind. Everything else is
+#: compared as without an entry; see docs/parity.md, "The allowlist".
+KINDS = {
+    "collectives": "the collectives and P2P calls (kind, sizes, order, count)",
+    "rounding": "numbers (gradients, parameters, losses, outputs) by their summation order only: "
+                "compared by value within a tolerance instead of by bits",
+    "numbers": "2.15.0's numbers, which are wrong: the patched torch's are compared with the scenario's "
+               "float64 reference instead (its 'ref' records must all be 'ok')",
+    "state": "public state (sharded or not, gradients present) and pipeline flags",
+    "exceptions": "exceptions raised and calls that returned",
+    "warnings": "Python warnings and torch log records",
+    "outcome": "the outcome of the scenario or of a rank (e.g. TIMEOUT on 2.15.0): the patched torch's "
+               "observations are then judged by its reference records alone",
+}
+EVENT_KIND = {"coll": "collectives", "grads": "numbers", "params": "numbers", "tensor": "numbers",
+              "state": "state", "flags": "state", "fsdp_state": "state", "exception": "exceptions", "uncaught": "exceptions",
+              "ok": "exceptions", "warning": "warnings", "log": "warnings"}
+RTOL = 1e-4  # of the tensor's l2 norm times sqrt(numel): summation order, not a changed number
+
+
 def load_allowlist(path: str) -> list:
-    """Entries ``{"scenario": name or glob, "reason": ..., "patch": ...}``, all three required."""
+    """Entries ``{"scenario": name or glob, "reason", "patch", "may_differ": [kinds]}``, all required."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
         data = json.load(f)
     entries = data.get("entries", []) if isinstance(data, dict) else data
     for entry in entries:
-        missing = [k for k in ("scenario", "reason", "patch") if not str(entry.get(k, "")).strip()]
+        missing = [k for k in ("scenario", "reason", "patch", "may_differ") if not entry.get(k)
+                   or (isinstance(entry.get(k), str) and not entry[k].strip())]
         if missing:
-            raise ValueError(f"allowlist entry {entry!r} lacks {', '.join(missing)}")
+            raise ValueError(f"allowlist entry {entry.get('scenario', entry)!r} lacks {', '.join(missing)}")
+        unknown = [k for k in entry["may_differ"] if k not in KINDS]
+        if unknown:
+            raise ValueError(f"allowlist entry {entry['scenario']!r}: may_differ {unknown} not among {sorted(KINDS)}")
+        if "rounding" in entry["may_differ"] and "numbers" in entry["may_differ"]:
+            raise ValueError(f"allowlist entry {entry['scenario']!r}: 'numbers' already compares with the reference")
     return entries
 
 
@@ -164,43 +192,195 @@ def allowlisted(name: str, entries: list):
     return next((e for e in entries if fnmatch.fnmatchcase(name, e["scenario"])), None)
 
 
+def _close(pa, pb, digest) -> bool:
+    """Two fingerprints (worker.tensor_print) equal within RTOL; ``digest`` gives the shape."""
+    if pa is None or pb is None:
+        return pa is pb
+    numel = 1
+    for d in re.findall(r"\d+", digest.split(":", 1)[0]):
+        numel *= int(d)
+    tol = RTOL * max(pa[1], pb[1]) * max(1.0, numel) ** 0.5 + 1e-7
+    return all(abs(x - y) <= tol for x, y in zip(pa, pb))
+
+
+def _shape(digest) -> str:
+    return digest.rsplit(":", 1)[0] if isinstance(digest, str) and digest != "None" else digest
+
+
+def _numbers_close(x, y) -> bool:
+    """Numeric events equal by value within tolerance: same labels, shapes, dtypes and None-ness."""
+    if x[0] != y[0] or len(x) != len(y) or len(x) < 3:
+        return False
+    if x[0] == "tensor":
+        return x[1] == y[1] and _shape(x[2]) == _shape(y[2]) and (x[2] == y[2] or _close(x[3], y[3], x[2]))
+    da, db, pa, pb = x[1], y[1], x[2], y[2]
+    if set(da) != set(db):
+        return False
+    return all(da[k] == db[k] or (_shape(da[k]) == _shape(db[k]) and _close(pa.get(k), pb.get(k), da[k]))
+               for k in da)
+
+
+def _kind(event) -> str:
+    return EVENT_KIND.get(event[0], "other") if event else "other"
+
+
+def kinds_differing(a: dict, b: dict) -> list:
+    """Which kinds of observation differ between two observations, in KINDS order."""
+    out = set()
+    if a.get("outcome") != b.get("outcome"):
+        out.add("outcome")
+    for ra, rb in zip(a.get("ranks", []), b.get("ranks", [])):
+        if ra.get("outcome") != rb.get("outcome"):
+            out.add("outcome")
+        ea, eb = _canon(ra.get("events", [])), _canon(rb.get("events", []))
+        for kind in ("collectives", "state", "exceptions", "warnings"):
+            if [e for e in ea if _kind(e) == kind] != [e for e in eb if _kind(e) == kind]:
+                out.add(kind)
+        na, nb = [e for e in ea if _kind(e) == "numbers"], [e for e in eb if _kind(e) == "numbers"]
+        refs_a = [e for e in ea if e and e[0] == "ref"]
+        if na != nb:
+            close = len(na) == len(nb) and all(_numbers_close(x, y) for x, y in zip(na, nb))
+            out.add("rounding" if close else "numbers")
+        if any(e[2] != "ok" for e in refs_a):
+            out.add("numbers")
+    if len(a.get("ranks", [])) != len(b.get("ranks", [])):
+        out.add("outcome")
+    return [k for k in KINDS if k in out]
+
+
+def compare_allowing(a: dict, b: dict, entry: dict):
+    """The first difference between 2.15.0's observation ``a`` and the patched ``b`` that ``entry``
+    does not allow, or None: the allowed kinds are left out of both event streams, numbers compare
+    within tolerance under ``rounding``, and under ``numbers`` the patched torch's reference records
+    must all be ``ok`` (and exist)."""
+    allowed = set(entry["may_differ"])
+    if a is None or b is None:
+        return "missing on the " + ("pristine" if a is None else "patched") + " side"
+    ranks_b = b.get("ranks", [])
+    if "numbers" in allowed:
+        refs = [(rank, e) for rank, r in enumerate(ranks_b) for e in r.get("events", []) if e and e[0] == "ref"]
+        if not refs:
+            return "the entry lets 2.15.0's numbers differ, but the scenario records no float64 reference"
+        open_refs = set(entry.get("open", {}).get("refs", []))
+        bad = [(rank, e) for rank, e in refs if e[2] != "ok" and e[1] not in open_refs]
+        if bad:
+            rank, e = bad[0]
+            return f"rank {rank}: the patched torch misses the float64 reference at {e[1]!r}: {e[2]}"
+    outcomes_differ = a.get("outcome") != b.get("outcome") or any(
+        ra.get("outcome") != rb.get("outcome") for ra, rb in zip(a.get("ranks", []), ranks_b))
+    if outcomes_differ:
+        if "outcome" not in allowed:
+            return compare(a, b) or "outcome differs"
+        if "numbers" not in allowed:
+            return "the outcome differs and the entry gives no reference to judge the patched torch by"
+        bad = [rank for rank, r in enumerate(ranks_b) if r.get("outcome") != "ok"] if b.get("outcome") == "done" \
+            else ["all"]
+        return f"the patched torch's rank {bad[0]} did not finish ({b.get('outcome')})" if bad else None
+    if len(a.get("ranks", [])) != len(ranks_b):
+        return f"{len(a.get('ranks', []))} vs {len(ranks_b)} ranks"
+    drop = {k for k in allowed if k in ("collectives", "state", "exceptions", "warnings")}
+    if "numbers" in allowed:
+        drop.add("numbers")
+    for rank, (ra, rb) in enumerate(zip(a.get("ranks", []), ranks_b)):
+        ea = [e for e in _canon(ra.get("events", [])) if _kind(e) not in drop and not ("numbers" in allowed and e
+                                                                                      and e[0] == "ref")]
+        eb = [e for e in _canon(rb.get("events", [])) if _kind(e) not in drop and not ("numbers" in allowed and e
+                                                                                      and e[0] == "ref")]
+        for i in range(max(len(ea), len(eb))):
+            x = ea[i] if i < len(ea) else None
+            y = eb[i] if i < len(eb) else None
+            if x == y:
+                continue
+            if x is not None and y is not None and "rounding" in allowed and _kind(x) == "numbers" \
+                    and _numbers_close(x, y):
+                continue
+            what = f"{_event_diff(x, y)}"
+            if x is not None and y is not None and _kind(x) == "numbers" and x[0] == y[0] and len(x) > 2:
+                what += " (beyond rounding)" if "rounding" in allowed else " (bitwise)"
+            return f"rank {rank} {_kind(x or y)} event {i} of those compared (after {_last_phase(ea, i)!r}): {what}"
+    return None
+
+
 def evaluate(pristine_runs: list, patched: dict, entries: list):
-    """``(lines, summary, failed)`` for raw worker results (``{"results": {name: obs}}``)."""
+    """``(lines, summary, failed)`` for raw worker results (``{"results": {name: obs}}``).
+
+    An allowlisted scenario is judged by ``compare_allowing``: only the kinds its entry names may
+    differ. An entry is STALE when a kind it names differs in none of the scenarios it matched, or
+    a scenario it matches is identical: the intended difference stopped appearing."""
     base = pristine_runs[0]["results"]
     names = list(base) + [n for n in patched["results"] if n not in base]
     lines, summary = [], {}
     failed = False
     identical = 0
-    used = set()
+    seen: dict = {}  # entry scenario pattern -> {"entry", "names", "kinds"}
     for name in names:
         nondet = None
         for other in pristine_runs[1:] if name in base else []:
             nondet = compare(base.get(name), other["results"].get(name))
             if nondet:
                 break
-        diff = compare(base.get(name), patched["results"].get(name))
+        a, b = base.get(name), patched["results"].get(name)
+        diff = compare(a, b)
         entry = allowlisted(name, entries)
+        if entry is not None:
+            use = seen.setdefault(entry["scenario"], {"entry": entry, "names": [], "kinds": set(), "open": set()})
+            use["names"].append(name)
         if nondet:
             status, text = "NONDET", nondet
             failed = True
-        elif diff:
+        elif diff and entry is None:
             status, text = "DIFF", diff
-            if entry is not None:
-                used.add(entry["scenario"])
-                text += f" (allowlisted: {entry['patch']}: {entry['reason']})"
-            else:
+            failed = True
+        elif diff:
+            differing = kinds_differing(a, b) if a is not None and b is not None else []
+            use["kinds"].update(differing)
+            beyond = compare_allowing(a, b, entry)
+            status = "DIFF"
+            if beyond:
                 failed = True
+                text = (f"{beyond} [beyond what the allowlist entry {entry['scenario']!r} ({entry['patch']}) lets "
+                        f"differ: {', '.join(entry['may_differ'])}; first difference: {diff}]")
+            else:
+                text = (f"{diff} (allowlisted: {entry['patch']}: differs in {', '.join(differing) or 'nothing'}; "
+                        f"may differ: {', '.join(entry['may_differ'])}; the rest is compared)")
+                still_open = open_misses(b, entry)
+                use["open"].update(still_open)
+                if still_open:
+                    text += f" OPEN: misses the reference at {', '.join(sorted(still_open))}: {entry['open']['bug']}"
         else:
             status, text = "SAME", None
             identical += 1
             if entry is not None:
-                used.add(entry["scenario"])
-                status, text = "STALE", f"identical but allowlisted ({entry['patch']}): remove the entry"
+                status, text = "STALE", (f"identical to 2.15.0, but allowlisted ({entry['patch']}) for a difference "
+                                         f"in {', '.join(entry['may_differ'])}: that difference stopped appearing "
+                                         f"(the intended change is lost, or 2.15.0's side changed): find which")
                 failed = True
         lines.append(f"{status} {name}" + (f": {text}" if text else ""))
         summary[name] = {"status": status, "difference": text}
+    for pattern, use in seen.items():
+        missing = [k for k in use["entry"]["may_differ"] if k not in use["kinds"]]
+        if use["kinds"] and missing:
+            failed = True
+            lines.append(f"STALE {pattern}: allowlisted ({use['entry']['patch']}) for a difference in "
+                         f"{', '.join(use['entry']['may_differ'])}, but {', '.join(missing)} no longer differ"
+                         f"{'s' if len(missing) == 1 else ''} in any of its {len(use['names'])} scenario(s) "
+                         f"({', '.join(use['names'][:4])}{', ...' if len(use['names']) > 4 else ''}): what stopped "
+                         f"appearing: {'; '.join(KINDS[k] for k in missing)}; find which change removed it")
+        gone = [r for r in use["entry"].get("open", {}).get("refs", []) if r not in use["open"]]
+        if use["kinds"] and gone:
+            failed = True
+            lines.append(f"STALE {pattern}: its open bug no longer shows: the patched torch now equals the float64 "
+                         f"reference at {', '.join(gone)} ({use['entry']['open']['bug']}); record the fix in the "
+                         f"entry's open field")
     lines.append(f"PARITY: {identical}/{len(names)} scenarios identical")
     return lines, summary, failed
+
+
+def open_misses(obs: dict, entry: dict) -> set:
+    """The reference labels of ``entry``'s open bug that the patched observation misses."""
+    labels = set(entry.get("open", {}).get("refs", []))
+    return {e[1] for r in (obs or {}).get("ranks", []) for e in r.get("events", [])
+            if e and e[0] == "ref" and e[2] != "ok" and e[1] in labels}
 
 
 def run_workers(runs: list, patterns: list, jobs: int) -> list:

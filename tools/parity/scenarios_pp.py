@@ -2,6 +2,7 @@
 replicate() and DDP stages, and stages that are plain containers of FSDP
 modules (only APIs torch 2.15.0 has)."""
 
+import copy
 import functools
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -26,6 +28,7 @@ from catalogue import register
 VOCAB, DIM, SEQ = 16, 8, 4
 MB_SIZE = 2
 LR = 0.1
+REF_TOL = 1e-4  # float32 pipeline vs float64 reference, absolute, over these tiny tensors
 
 #: name -> (class, stage placement: "single" one stage per rank, "loop" r and r+pp, "v" r and 2pp-1-r)
 SCHEDULES = {
@@ -92,7 +95,8 @@ class Pipeline:
     """One pipeline (and its data) on this rank; records what it observes."""
 
     def __init__(self, ctx, sched: str, kind: str, *, pp: int = 2, n_mb: int = 4, loss: str = "plain",
-                 scale_grads: bool = True, autograd_in_forward: bool = False, hooks=None) -> None:
+                 scale_grads: bool = True, autograd_in_forward: bool = False, hooks=None,
+                 shared_layer: bool = False, reference: bool = True) -> None:
         self.ctx = ctx
         cls, placement = SCHEDULES[sched]
         dp = ctx.world // pp
@@ -111,12 +115,30 @@ class Pipeline:
         self.n_mb = n_mb
         torch.manual_seed(0)
         full = Full(num_stages, autograd_in_forward)
-        head_in_forward = loss != "own_backward"
+        # shared_layer: a rank's two loop stages (r and r + pp) run the same layer object
+        self.plan = [[i % pp if shared_layer else i] for i in range(num_stages)]
+        self.full = full
+        self.scale_grads = scale_grads
+        self.kind = kind
+        # The float64 single-process reference: every rank's data, every stage's layers in order
+        self.ref = copy.deepcopy(full).double() if reference and not autograd_in_forward and pp > 1 else None
+        self.refs = [self.ref] * (ctx.world // pp)
+        if self.ref is not None and kind == "container":
+            # A container stage's own parameters (embedding, norm) are not data parallel: each
+            # data-parallel rank's copies train on its own data and drift apart; the sharded
+            # blocks and the head are one set of parameters
+            self.refs = []
+            for _ in range(ctx.world // pp):
+                r = copy.deepcopy(self.ref)
+                r.layers, r.head = self.ref.layers, self.ref.head
+                self.refs.append(r)
+            self.ref = self.refs[self.dp_rank]
+        head_in_forward = loss not in ("own_backward", "own_backward_in_eval")
         self.stage_mods = {}
         stages = []
         for idx in indices:
             first, last = idx == 0, idx == num_stages - 1
-            mod = StageMod(full, [idx], first, last, head_in_forward)
+            mod = StageMod(full, self.plan[idx], first, last, head_in_forward)
             mod = self._wrap(mod, kind, last)
             self.stage_mods[idx] = mod
             stages.append(PipelineStage(mod, idx, num_stages, torch.device("cpu"), group=self.pp_group))
@@ -126,7 +148,10 @@ class Pipeline:
         self.container = nn.ModuleDict({str(i): m for i, m in self.stage_mods.items()})
         self.optim = torch.optim.SGD(self.container.parameters(), lr=LR)
         self.hooks = hooks or {}
-        loss_fn = self._own_backward_loss if loss == "own_backward" else self._loss
+        self.own_backward_in_eval_only = loss == "own_backward_in_eval"
+        self.in_eval = False
+        self.read_policies = not hooks  # a hook may change a policy with an old setter
+        loss_fn = self._own_backward_loss if loss in ("own_backward", "own_backward_in_eval") else self._loss
         target = stages[0] if len(stages) == 1 else stages
         self.schedule = cls(target, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
         self.step_index = 0
@@ -135,7 +160,8 @@ class Pipeline:
     def _wrap(self, mod, kind, last):
         if kind in ("fsdp", "container"):
             for layer in mod.layers:
-                fully_shard(layer, mesh=self.dp_mesh)
+                if not isinstance(layer, FSDPModule):  # a layer shared with the rank's other stage
+                    fully_shard(layer, mesh=self.dp_mesh)
             if last:
                 fully_shard(mod.head, mesh=self.dp_mesh)
             if kind == "fsdp":
@@ -171,6 +197,8 @@ class Pipeline:
         if hook is not None:
             hook(self)
         last = self.module(self.num_stages - 1)
+        if self.own_backward_in_eval_only and not self.in_eval:
+            return _ce(last.head(last.norm(h)), target)
         if not torch.is_grad_enabled() or not h.requires_grad:
             return _ce(last.head(last.norm(h)), target)
         h_detached = h.detach().requires_grad_(True)
@@ -180,10 +208,14 @@ class Pipeline:
         return surrogate - surrogate.detach() + loss.detach()
 
     # ---- data
-    def inputs(self, step):
-        gen = torch.Generator().manual_seed(100 * step + self.dp_rank)
+    def data(self, step, dp_rank):
+        gen = torch.Generator().manual_seed(100 * step + dp_rank)
         tokens = torch.randint(0, VOCAB, (self.n_mb * MB_SIZE, SEQ), generator=gen)
         labels = torch.randint(0, VOCAB, (self.n_mb * MB_SIZE, SEQ), generator=gen)
+        return tokens, labels
+
+    def inputs(self, step):
+        tokens, labels = self.data(step, self.dp_rank)
         args = (tokens,) if self.has_first else ()
         kwargs = {"target": labels} if self.has_last else {}
         return args, kwargs
@@ -193,6 +225,10 @@ class Pipeline:
         self.ctx.record("flags", [[s.stage_index, s.is_first, s.is_last, s.has_backward] for s in self.stages],
                        self.schedule.scale_grads, torch.is_grad_enabled())
         self.ctx.public_state(self.container)
+        if self.read_policies:
+            # What the old setters set (both torches) and, where the series' getter exists, the
+            # caller's policy read back between steps (docs/parity.md)
+            self.ctx.fsdp_state(f"after step {self.step_index}", self.container)
 
     def step(self, *, eval_mode=False, data_step=None, **kwargs):
         ctx = self.ctx
@@ -202,7 +238,11 @@ class Pipeline:
         label = "eval" if eval_mode else "step"
         ctx.phase(f"{label} {data_step} {kwargs}")
         fn = self.schedule.eval if eval_mode else self.schedule.step
+        self.in_eval = eval_mode
         out = ctx.expect(fn, *args, losses=losses, **kw, **kwargs)
+        self.in_eval = False
+        if not eval_mode:
+            self.ref_step(data_step, kwargs.get("finalize_gradients", True))
         for i, loss in enumerate(losses):
             ctx.tensor(f"loss {i}", loss)
         if isinstance(out, torch.Tensor):
@@ -215,7 +255,70 @@ class Pipeline:
         return out
 
     def optim_step(self):
+        if self.ref is not None:
+            self.ref_check(f"grads before optimizer step {self.ctx.steps + 1}", grads=True)
         self.ctx.optim_step(self.container, self.optim)
+        if self.ref is not None:
+            with torch.no_grad():
+                for p in self.ref_params():
+                    if p.grad is not None:
+                        p -= LR * p.grad
+                    p.grad = None
+            self.ref_check(f"parameters after optimizer step {self.ctx.steps}", grads=False)
+
+    # ---- the float64 reference
+    def ref_step(self, step, finalize):
+        """What a correct training step adds to the gradients: every data-parallel rank's
+        microbatches, averaged over the data-parallel ranks, scaled by 1/n_microbatches when
+        scale_grads (2.15.0 scales whatever .grad holds on every step of a plain stage; FSDP and,
+        with 0024, container stages on finalizing steps only)."""
+        if self.ref is None:
+            return
+        dp = self.dp_mesh.size()
+        for d in range(dp):
+            ref = self.refs[d]
+            named = list(ref.named_parameters())
+            tokens, labels = self.data(step, d)
+            loss = 0
+            for xm, ym in zip(tokens.chunk(self.n_mb), labels.chunk(self.n_mb)):
+                x = ref.embed(xm)
+                for ids in self.plan:
+                    for i in ids:
+                        x = ref.layers[i](x)
+                loss = loss + _ce(ref.head(ref.norm(x)), ym)
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            for (name, p), g in zip(named, grads):
+                if g is None:
+                    continue
+                local = self.kind == "container" and name.split(".")[0] in ("embed", "norm")
+                w = 1.0 if local else 1.0 / dp
+                p.grad = w * g if p.grad is None else p.grad + w * g
+        if self.scale_grads and (self.kind in ("plain", "ddp", "replicate") or finalize):
+            for p in self.ref_params():
+                if p.grad is not None:
+                    p.grad /= self.n_mb
+
+    def ref_params(self):
+        return list({id(p): p for r in self.refs for p in r.parameters()}.values())
+
+    def ref_check(self, label, grads):
+        """Records whether this rank's parameters (or gradients) equal the reference's."""
+        ref_params = dict(self.ref.named_parameters())
+        local = {id(p) for p in self.container.parameters()}
+        mismatch = None
+        with self.ctx.unrecorded():
+            for name, p in self.full.named_parameters():
+                if id(p) not in local:
+                    continue
+                t, r = (p.grad, ref_params[name].grad) if grads else (p, ref_params[name])
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                if (t is None) != (r is None):
+                    mismatch = mismatch or f"{name} is {'None' if t is None else 'set'}, reference not"
+                    continue
+                if t is not None and (t.detach().double() - r.detach()).abs().max().item() > REF_TOL:
+                    mismatch = mismatch or f"{name} beyond {REF_TOL}"
+        self.ctx.reference(label, mismatch)
 
 
 def _basic(ctx, sched, kind, steps=2, **kw):
@@ -398,7 +501,7 @@ class Boom(Exception):
 
 def _probe_failure_retry(ctx, sched, kind):
     """Stage 0's first forward (metadata inference, before any P2P) raises once; the step is retried."""
-    p = Pipeline(ctx, sched, kind)
+    p = Pipeline(ctx, sched, kind, reference=False)
     if p.has_first:
         def fail_once(module, args):
             handle.remove()
@@ -456,3 +559,60 @@ for _sched in ("1f1b",):
         for _where in ("forward", "loss"):
             register(f"pp1.{_sched}.{_kind}.{_where}_error_retry",
                      functools.partial(_single_stage_error_retry, sched=_sched, kind=_kind, where=_where), world=2)
+
+
+def _shared_layer(ctx, sched, kind):
+    """A layer shared by a rank's two loop stages (stages r and r + pp run the same module):
+    train, eval() between a step and its optimizer step, train (issue 25 point 1's layout).
+    scale_grads=False: with True, 2.15.0 divides the shared layer's gradient once per stage (a
+    2.15.0 behaviour the series keeps, known.json)."""
+    p = Pipeline(ctx, sched, kind, shared_layer=True, scale_grads=False)
+    p.flags()
+    p.step()
+    p.optim_step()
+    p.step()
+    p.step(eval_mode=True, data_step=80)
+    p.optim_step()
+    p.step()
+    p.optim_step()
+
+
+# Plain stages only: two FSDP-root stages holding one fully_shard'ed layer hang on 2.15.0 and on the
+# series alike (TIMEOUT), and a container stage's shared block has .grad None after eval() on both
+# torches (reported in docs/parity.md; not a parity difference)
+for _sched in ("interleaved_1f1b", "looped_bfs"):
+    for _kind in ("plain",):
+        register(f"pp.{_sched}.{_kind}.shared_layer", functools.partial(_shared_layer, sched=_sched, kind=_kind),
+                 world=_world(_kind), timeout=30)
+
+
+def _grad_eval_own_backward_no_sync(ctx, sched):
+    """A container stage whose blocks do not sync (set_requires_gradient_sync(False)) runs eval()
+    in grad mode with a loss that runs its own backward (the head's gradients accumulate, unreduced);
+    then the blocks sync again, the gradients are zeroed and training goes on."""
+    # Training steps apply the head inside the loss without a backward of their own: with a
+    # container stage, a loss that runs its own backward in every step gives gradients that
+    # differ from run to run on 2.15.0 (NONDET), as for plain stages
+    p = Pipeline(ctx, sched, "container", loss="own_backward_in_eval")
+    blocks = [m for mod in p.stage_mods.values() for m in mod.modules() if isinstance(m, FSDPModule)]
+    p.step()
+    p.optim_step()
+    for block in blocks:
+        block.set_requires_gradient_sync(False)
+    ctx.policy_changed()
+    p.step(eval_mode=True, data_step=90)
+    for block in blocks:
+        block.set_requires_gradient_sync(True)
+    ctx.policy_changed()
+    p.optim.zero_grad()
+    for q in p.ref_params() if p.ref is not None else ():
+        q.grad = None
+    p.flags()
+    for _ in range(2):
+        p.step()
+        p.optim_step()
+
+
+for _sched in ("gpipe", "1f1b"):
+    register(f"pp.{_sched}.container.grad_eval_own_backward_no_sync",
+             functools.partial(_grad_eval_own_backward_no_sync, sched=_sched), world=4)

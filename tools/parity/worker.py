@@ -84,6 +84,21 @@ def tensor_digest(t) -> str:
     return f"{tuple(t.shape)}:{str(t.dtype)[6:]}:{hashlib.sha1(data).hexdigest()[:16]}"
 
 
+def tensor_print(t):
+    """A numeric fingerprint of this rank's values of ``t`` (float64 ``[sum, l2 norm, projection]``, or
+    None): what an allowlist entry that lets numbers differ by summation order compares within a
+    tolerance (runner.py, ``rounding``), where the digest compares bits."""
+    if t is None:
+        return None
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    t = t.detach().reshape(-1).to(torch.float64, copy=True)
+    if not t.numel():
+        return [0.0, 0.0, 0.0]
+    weights = (torch.arange(t.numel(), dtype=torch.float64) * 0.6180339887) % 1.0 - 0.5
+    return [float(t.sum()), float(t.norm()), float((t * weights).sum())]
+
+
 def _describe(value):
     """(numel, dtype) of tensors in an argument, recursively for lists; None otherwise."""
     if isinstance(value, torch.Tensor):
@@ -193,10 +208,63 @@ class Context:
         self.recorder.add("phase", label)
 
     def tensor(self, label: str, t) -> None:
-        self.recorder.add("tensor", label, tensor_digest(t))
+        self.recorder.add("tensor", label, tensor_digest(t), tensor_print(t))
+
+    def reference(self, label: str, mismatch) -> None:
+        """The scenario's comparison with its float64 single-process reference: ``mismatch`` is None
+        (equal within tolerance) or what differs (no numbers: both torches may be wrong alike)."""
+        self.recorder.add("ref", label, "ok" if mismatch is None else f"off: {mismatch}")
+
+    def unrecorded(self):
+        """A context in which collectives are not recorded (a reference check's own gathers)."""
+        recorder = self.recorder
+
+        class _Quiet:
+            def __enter__(self):
+                recorder._depth.n = getattr(recorder._depth, "n", 0) + 1
+
+            def __exit__(self, *exc):
+                recorder._depth.n -= 1
+
+        return _Quiet()
 
     def value(self, label: str, v) -> None:
         self.recorder.add("value", label, normalise(repr(v)))
+
+    def fsdp_state(self, label: str, model) -> None:
+        """What 2.15.0's FSDP setters set, per FSDP module of ``model`` and parameter group
+        (``reduce_grads``, ``all_reduce_grads``, ``reshard_after_backward``, whether a post-forward
+        mesh is set): compared between the torches like any event. Where FSDPModule has the
+        series' policy getter, its value must also equal the one read at the module's first call
+        (the caller's policy, restored after every step): a patched-only check that records an
+        event only when it fails."""
+        from torch.distributed.fsdp import FSDPModule
+
+        policies = self.__dict__.setdefault("_policies", {})
+        state = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            try:
+                groups = module._get_fsdp_state()._fsdp_param_groups
+                state[name or "<root>"] = [[g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward,
+                                            g.post_forward_mesh_info is not None] for g in groups]
+            except Exception as exc:  # noqa: BLE001 - recorded as what it is
+                state[name or "<root>"] = f"{type(exc).__name__}: {normalise(str(exc))}"
+            getter = getattr(module, "get_fsdp_policy", None)
+            if getter is None:
+                continue
+            try:
+                policy = repr(getter())
+            except Exception as exc:  # noqa: BLE001
+                policy = f"raised {type(exc).__name__}: {normalise(str(exc))}"
+            first = policies.setdefault(id(module), policy)
+            self.check("policy restored", policy == first, f"{label} {name or '<root>'}: {policy} vs {first}")
+        self.recorder.add("fsdp_state", label, state)
+
+    def policy_changed(self) -> None:
+        """The caller changed a policy with a setter: the next ``fsdp_state`` reads the new one."""
+        self.__dict__["_policies"] = {}
 
     def exception(self, exc: BaseException) -> None:
         """Type and message of ``exc`` and of the exceptions it was raised from."""
@@ -222,10 +290,13 @@ class Context:
         return out
 
     def grads(self, model) -> None:
-        self.recorder.add("grads", {n: tensor_digest(p.grad) for n, p in model.named_parameters()})
+        named = list(model.named_parameters())
+        self.recorder.add("grads", {n: tensor_digest(p.grad) for n, p in named},
+                          {n: tensor_print(p.grad) for n, p in named})
 
     def params(self, model) -> None:
-        self.recorder.add("params", {n: tensor_digest(p) for n, p in model.named_parameters()})
+        named = list(model.named_parameters())
+        self.recorder.add("params", {n: tensor_digest(p) for n, p in named}, {n: tensor_print(p) for n, p in named})
 
     def optim_step(self, model, optim) -> None:
         """Records every gradient, steps, records every parameter, zeroes the grads."""
