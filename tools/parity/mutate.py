@@ -415,7 +415,7 @@ def merge_results(path: str, rows: list, meta: dict, mutants: list) -> dict:
             r["checks"] = {**old[r["id"]]["checks"], **r["checks"]}
         old[r["id"]] = r
     order = [m["id"] for m in mutants]
-    data = {**meta, "mutants": [old[i] for i in order if i in old]}
+    data = {**meta, "mutants": [old[i] for i in order if i in old] + [r for i, r in old.items() if i not in order]}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(site, m["file"]), encoding="utf-8") as f:
                     mutated_text(m, f.read())
                 ok = "ok"
-            except MutantError as exc:
+            except (MutantError, OSError) as exc:
                 ok, status = f"REFUSED: {exc}", 1
             print(f"{m['id']:<34} {m['patch'][:4]} {m['file'].rsplit('/', 1)[-1]:<16} {ok}\n    {m['description']}")
         return status
@@ -482,6 +482,9 @@ def main(argv=None) -> int:
     python = os.path.join(copy, "bin", "python")
     pythons = {"pristine": pristine, "series": os.path.join(venv, "bin", "python")}
     rows = []
+    meta = {"command": "python tools/parity/mutate.py" + (" " + shlex.join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "series": _series_label(venv)}
     for i, m in enumerate(chosen):
         _log(f"==> [{i + 1}/{len(chosen)}] {m['id']} ({m['patch'][:4]}): {m['description'].split('.')[0]}")
         apply(m, copy, venv)
@@ -499,14 +502,12 @@ def main(argv=None) -> int:
                 _log(f"    {check}: {res['verdict']} {res.get('seconds', '')} {res.get('detail', '')[:160]}")
         finally:
             unapply(m, copy, venv)
+        row["run"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         rows.append(row)
         print(row_line(row), flush=True)
-    meta = {"command": "python tools/parity/mutate.py" + (" " + shlex.join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else ""),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "series": _series_label(venv)}
-    data = merge_results(args.results, rows, meta, mutants)
-    if args.docs:
-        render_docs(data)
+        data = merge_results(args.results, [row], meta, mutants)  # after each mutant: a long run can stop
+        if args.docs:
+            render_docs(data)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
