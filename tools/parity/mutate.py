@@ -285,6 +285,11 @@ def gen_seeds(spec: dict, seeds_file: str) -> dict:
     return out
 
 
+def gen_key(spec: dict) -> str:
+    """The baseline key of a generator spec: its oracles and family (``b/pp``)."""
+    return "".join(sorted(spec.get("oracles", ["a", "b"]))) + "/" + (spec.get("family") or "both")
+
+
 def check_gen(mutant: dict, python: str, pristine: str, workdir: str, timeout_s: float) -> dict:
     spec = mutant.get("gen")
     if not spec:
@@ -300,7 +305,7 @@ def check_gen(mutant: dict, python: str, pristine: str, workdir: str, timeout_s:
         cmd += ["--pristine-python", pristine]
     rc, out, secs = _run(cmd, timeout_s, stop=lambda ln: ln.startswith(("FAIL ", "FIXED ")))
     what = ", ".join(f"{o}: {len(s)}" for o, s in sorted(seeds.items()))
-    res = {"seconds": secs, "programs": what, "family": spec.get("family") or "both"}
+    res = {"seconds": secs, "programs": what, "family": spec.get("family") or "both", "set": gen_key(spec)}
     first = next((ln for ln in out.splitlines() if ln.startswith(("FAIL ", "FIXED "))), None)
     summary = next((ln for ln in out.splitlines() if ln.startswith("GENERATED:")), "")
     known = [ln.split(":")[0].split()[1] for ln in out.splitlines() if ln.startswith("KNOWN ")]
@@ -363,11 +368,17 @@ def killed_twice(row: dict) -> bool:
         c.get(k, {}).get("verdict") == "killed" for k in ("gen", "parity"))
 
 
-def _cell(res: dict) -> str:
+def _cell(res: dict, baseline: dict = None) -> str:
     if not res:
         return "not run"
     v = res.get("verdict", "?")
-    return v if "seconds" not in res else f"{v} ({res['seconds']:.0f} s)"
+    if "seconds" not in res:
+        return v
+    known = ""
+    if res.get("known") and res.get("verdict") != "killed":
+        base = (baseline or {}).get(res.get("set", ""), {}).get("known")
+        known = f"; {len(res['known'])} known" + ("" if base is None else f", {len(set(base))} unmutated")
+    return f"{v} ({res['seconds']:.0f} s{known})"
 
 
 def row_line(row: dict) -> str:
@@ -381,7 +392,7 @@ def table(data: dict) -> str:
     for r in data["mutants"]:
         c = r.get("checks", {})
         rows.append(f"| `{r['id']}` | {r['patch'][:4]} | {r['description'].split('.')[0]} | "
-                    + " | ".join(_cell(c.get(k)) for k in CHECKS) + f" | {'yes' if killed_twice(r) else 'no'} |")
+                    + " | ".join(_cell(c.get(k), data.get("baseline")) for k in CHECKS) + f" | {'yes' if killed_twice(r) else 'no'} |")
     n = len(data["mutants"])
     twice = sum(killed_twice(r) for r in data["mutants"])
     per = {k: sum(r.get("checks", {}).get(k, {}).get("verdict") == "killed" for r in data["mutants"]) for k in CHECKS}
@@ -406,16 +417,18 @@ def render_docs(data: dict, path: str = DOCS) -> None:
 
 def merge_results(path: str, rows: list, meta: dict, mutants: list) -> dict:
     """The results file with ``rows`` replacing earlier rows of the same id, in mutants.json order."""
-    old = {}
+    old, extra = {}, {}
     if os.path.exists(path):
         with open(path) as f:
-            old = {r["id"]: r for r in json.load(f).get("mutants", [])}
+            earlier = json.load(f)
+        old = {r["id"]: r for r in earlier.get("mutants", [])}
+        extra = {k: v for k, v in earlier.items() if k not in ("mutants", *meta)}
     for r in rows:
         if r["id"] in old and "checks" in old[r["id"]]:
             r["checks"] = {**old[r["id"]]["checks"], **r["checks"]}
         old[r["id"]] = r
     order = [m["id"] for m in mutants]
-    data = {**meta, "mutants": [old[i] for i in order if i in old] + [r for i, r in old.items() if i not in order]}
+    data = {**extra, **meta, "mutants": [old[i] for i in order if i in old] + [r for i, r in old.items() if i not in order]}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -436,6 +449,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="for the venv copies and caches (default: a temporary directory)")
     parser.add_argument("--timeout-s", type=float, default=1500, help="per check")
     parser.add_argument("--docs", action="store_true", help="render the results table into docs/parity.md")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the chosen mutants' generator sets on the unmutated series instead (KNOWN counts)")
     args = parser.parse_args(argv)
     checks = [c for c in args.checks.split(",") if c]
     if any(c not in CHECKS for c in checks):
@@ -479,6 +494,8 @@ def main(argv=None) -> int:
                             os.path.join(pcopy, "bin", "python")], cwd=REPO, check=True,
                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL)
         pristine = os.path.join(pcopy, "bin", "python")
+    if args.baseline:
+        return run_baseline(chosen, venv, pristine, workdir, args)
     python = os.path.join(copy, "bin", "python")
     pythons = {"pristine": pristine, "series": os.path.join(venv, "bin", "python")}
     rows = []
@@ -510,6 +527,35 @@ def main(argv=None) -> int:
             render_docs(data)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def run_baseline(chosen: list, venv: str, pristine: str, workdir: str, args) -> int:
+    """The chosen mutants' generator sets (with every extra seed) on the unmutated series: which
+    programs print ``KNOWN`` there, so that a mutant's ``KNOWN`` programs can be compared."""
+    specs = {}
+    for m in chosen:
+        if m.get("gen"):
+            spec = specs.setdefault(gen_key(m["gen"]), {**m["gen"], "extra": []})
+            spec["extra"] = spec["extra"] + [e for e in m["gen"].get("extra", []) if e not in spec["extra"]]
+    baseline = {}
+    for key, spec in sorted(specs.items()):
+        _log(f"==> baseline {key}")
+        res = check_gen({"id": "baseline-" + key.replace("/", "-"), "gen": spec}, os.path.join(venv, "bin", "python"),
+                        pristine, workdir, args.timeout_s)
+        res["run"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        baseline[key] = res
+        print(f"baseline {key}: {res['verdict']} ({res.get('seconds')} s) {res.get('detail', '')[:160]}", flush=True)
+    data = {}
+    if os.path.exists(args.results):
+        with open(args.results) as f:
+            data = json.load(f)
+    data["baseline"] = {**data.get("baseline", {}), **baseline}
+    with open(args.results, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    if args.docs and data.get("mutants"):
+        render_docs(data)
     return 0
 
 
