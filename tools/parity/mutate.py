@@ -250,12 +250,12 @@ def test_files(mutant: dict) -> list:
     return list(tracker.tests) if tracker else []
 
 
-def check_tests(mutant: dict, python: str, timeout_s: float) -> dict:
+def check_tests(mutant: dict, python: str, timeout_s: float, use_k: bool = True) -> dict:
     files = test_files(mutant)
     if not files:
         return {"verdict": "none", "detail": "no test file"}
     cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files]
-    if mutant.get("tests", {}).get("k"):
+    if use_k and mutant.get("tests", {}).get("k"):
         cmd += ["-k", mutant["tests"]["k"]]
     rc, out, secs = _run(cmd, timeout_s)
     failed = re.findall(r"^FAILED (\S+)", out, re.M)
@@ -391,7 +391,7 @@ def table(data: dict) -> str:
     rows = ["| mutant | patch | regression | tests | generator | parity | two checks |", "|---|---|---|---|---|---|---|"]
     for r in data["mutants"]:
         c = r.get("checks", {})
-        rows.append(f"| `{r['id']}` | {r['patch'][:4]} | {r['description'].split('.')[0]} | "
+        rows.append(f"| `{r['id']}` | {r['patch'][:4]} | {r['description'].split('. ')[0].rstrip('.')} | "
                     + " | ".join(_cell(c.get(k), data.get("baseline")) for k in CHECKS) + f" | {'yes' if killed_twice(r) else 'no'} |")
     n = len(data["mutants"])
     twice = sum(killed_twice(r) for r in data["mutants"])
@@ -449,6 +449,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="for the venv copies and caches (default: a temporary directory)")
     parser.add_argument("--timeout-s", type=float, default=1500, help="per check")
     parser.add_argument("--docs", action="store_true", help="render the results table into docs/parity.md")
+    parser.add_argument("--no-k", action="store_true", help="run the mutants' whole test files (ignore their -k)")
     parser.add_argument("--baseline", action="store_true",
                         help="run the chosen mutants' generator sets on the unmutated series instead (KNOWN counts)")
     args = parser.parse_args(argv)
@@ -510,7 +511,7 @@ def main(argv=None) -> int:
         try:
             for check in checks:
                 if check == "tests":
-                    res = check_tests(m, python, args.timeout_s)
+                    res = check_tests(m, python, args.timeout_s, use_k=not args.no_k)
                 elif check == "gen":
                     res = check_gen(m, python, pristine, workdir, args.timeout_s)
                 else:
@@ -521,8 +522,8 @@ def main(argv=None) -> int:
             unapply(m, copy, venv)
         row["run"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         rows.append(row)
-        print(row_line(row), flush=True)
         data = merge_results(args.results, [row], meta, mutants)  # after each mutant: a long run can stop
+        print(row_line(next(r for r in data["mutants"] if r["id"] == row["id"])), flush=True)
         if args.docs:
             render_docs(data)
     if not args.workdir:
