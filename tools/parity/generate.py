@@ -25,6 +25,7 @@ script. Standard library only.
 """
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -90,6 +91,25 @@ def failure_b(obs: dict):
     return None
 
 
+def _value_detail(x, y) -> str:
+    """For two ``value`` events of one label recording ``[exception type, "fast" | "slow"]`` (a
+    failure's outcome and the hang detector's verdict): which half differs, pristine's first, so
+    that a rule can excuse the series failing faster and never the series failing slower."""
+    if x[0] != "value" or y[0] != "value" or len(x) < 3 or len(y) < 3 or x[1] != y[1]:
+        return ""
+    try:
+        a, b = ast.literal_eval(x[2]), ast.literal_eval(y[2])
+    except (ValueError, SyntaxError):
+        return ""
+    if not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 2):
+        return ""
+    if a[0] != b[0]:
+        return f" ({a[0]} vs {b[0]})"
+    if a[1] != b[1]:
+        return f" ({a[1]} vs {b[1]})"
+    return ""
+
+
 def failure_a(pristine: dict, patched: dict):
     """Oracle A: the kind of the first difference (what the shrinker keeps) and its text, else None."""
     text = runner.compare(pristine, patched)
@@ -102,6 +122,7 @@ def failure_a(pristine: dict, patched: dict):
         for x, y in zip(ea, eb):
             if x != y:
                 kind = f"{x[0]} vs {y[0]}" if x[0] != y[0] else x[0]
+                kind += _value_detail(x, y)
                 if x[0] in ("check_failed", "uncaught") or y[0] in ("check_failed", "uncaught"):
                     kind += f" ({(y if y[0] in ('check_failed', 'uncaught') else x)[1]})"
                 break
