@@ -81,7 +81,9 @@ def test_what_the_doc_says(fresh):
             assert all(d in ("0", "<1e-12") for d in side["max_diff"]), (name, side)
     setters = train["setters"]
     assert sum(setters["after"]["rs"]) < sum(setters["before"]["rs"])
-    assert sum(setters["after"]["ag"]) < sum(setters["before"]["ag"])
+    # the scope reshards the group at its exit and the decoder backward gathers it again (api.md section 8)
+    assert sum(setters["after"]["ag"]) <= sum(setters["before"]["ag"])
+    assert setters["after"]["peak_gathered_bytes"] < setters["before"]["peak_gathered_bytes"]
     assert not all(setters["before"]["policy_kept"]) and all(setters["after"]["policy_kept"])
     for name in ("complete", "policy", "finish-trainable", "finish-frozen"):  # same collectives
         assert train[name]["before"]["rs"] == train[name]["after"]["rs"], name
