@@ -120,13 +120,15 @@ def added_lines(patch_file: str, path: str) -> set:
 def check_in_patch(mutant: dict, series_dir: str = SERIES_DIR) -> None:
     """Raise unless the mutant changes only lines that its patch adds: every line of the target
     text that the replacement drops or changes (for a pure insertion, some line of the target)."""
-    added = added_lines(patch_path(mutant, series_dir), mutant["file"])
+    # A patch whose lines a later patch rewrote names that patch in ``lines_from``
+    owner = {**mutant, "patch": mutant.get("lines_from", mutant["patch"])}
+    added = added_lines(patch_path(owner, series_dir), mutant["file"])
     kept = set(mutant["replace"].splitlines())
     lines = [ln for ln in mutant["find"].splitlines() if ln.strip()]
     changed = [ln for ln in lines if ln not in kept] or lines
     foreign = [ln.strip() for ln in changed if ln.strip() not in added]
     if len(foreign) == len(changed) or (foreign and changed is not lines):
-        raise MutantError(f"mutant {mutant['id']}: {os.path.basename(patch_path(mutant, series_dir))} does not add "
+        raise MutantError(f"mutant {mutant['id']}: {os.path.basename(patch_path(owner, series_dir))} does not add "
                           f"{foreign[0]!r} to {mutant['file']} (the series changed? update {MUTANTS})")
 
 
