@@ -483,7 +483,7 @@ def _render_pp(program: dict, keep=None) -> list:
             L.append(f"with torch.no_grad():\n    {call}" if op["no_grad"] else call)
             if op.get("loss_backward") and b and idle and not pending:
                 # an evaluation step leaves no pending gradients or FSDP state (api.md section 6)
-                L.append(f'pipe.check_idle("op {i}")')
+                L.append(f'pipe.check_idle("op {i}", evaluation=True)')
         elif kind == "optim":
             L.append(f'pipe.optim_step("op {i}")')
         elif kind == "zero_grad":
