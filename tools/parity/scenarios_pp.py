@@ -155,6 +155,9 @@ class Pipeline:
         target = stages[0] if len(stages) == 1 else stages
         self.schedule = cls(target, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
         self.step_index = 0
+        # The caller's no-sync is on (FSDP2's accumulation idiom): FSDP stages leave the step's
+        # gradients unscaled (0026), the reference too
+        self.caller_no_sync = False
 
     # ---- construction
     def _wrap(self, mod, kind, last):
@@ -293,7 +296,7 @@ class Pipeline:
                 local = self.kind == "container" and name.split(".")[0] in ("embed", "norm")
                 w = 1.0 if local else 1.0 / dp
                 p.grad = w * g if p.grad is None else p.grad + w * g
-        if self.scale_grads and (self.kind in ("plain", "ddp", "replicate") or finalize):
+        if self.scale_grads and (self.kind in ("plain", "ddp", "replicate") or (finalize and not self.caller_no_sync)):
             for p in self.ref_params():
                 if p.grad is not None:
                     p.grad /= self.n_mb
@@ -584,6 +587,53 @@ for _sched in ("interleaved_1f1b", "looped_bfs"):
     for _kind in ("plain",):
         register(f"pp.{_sched}.{_kind}.shared_layer", functools.partial(_shared_layer, sched=_sched, kind=_kind),
                  world=_world(_kind), timeout=30)
+
+
+# A block shared by a rank's two loop stages with scale_grads=True: 2.15.0 divides its gradient once
+# per stage (the first division before the other stage's backward passes added theirs); 0027
+# divides it once, by the last of its stages to finish (api.md; allowlisted: numbers)
+def _shared_layer_scaled(ctx, sched):
+    """A layer shared by a rank's two loop stages, scale_grads=True: three steps, each followed by
+    an optimizer step, against the float64 reference (the shared layer's gradient divided once)."""
+    p = Pipeline(ctx, sched, "plain", shared_layer=True)
+    p.flags()
+    for _ in range(3):
+        p.step()
+        p.optim_step()
+
+
+for _sched in ("interleaved_1f1b", "looped_bfs"):
+    register(f"pp.{_sched}.plain.shared_layer.scale_grads", functools.partial(_shared_layer_scaled, sched=_sched),
+             world=_world("plain"), timeout=30)
+
+
+def _caller_no_sync(ctx, sched):
+    """FSDP2's accumulation idiom on FSDP stages: two steps under the caller's
+    set_requires_gradient_sync(False), then a syncing step and an optimizer step, twice. 2.15.0
+    reduces and scales every step (the earlier steps' gradients divided again); 0026 leaves the
+    no-sync steps' gradients pending and unscaled, so the syncing step gives the sum of the steps'
+    means (the float64 reference)."""
+    p = Pipeline(ctx, sched, "fsdp")
+    fsdp_modules = [m for mod in p.stage_mods.values() for m in mod.modules() if isinstance(m, FSDPModule)]
+    p.flags()
+    for _ in range(2):
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(False)
+        ctx.policy_changed()
+        p.caller_no_sync = True
+        p.step()
+        p.step()
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(True)
+        ctx.policy_changed()
+        p.caller_no_sync = False
+        p.step()
+        p.optim_step()
+
+
+for _sched in NON_V_CORE:
+    register(f"pp.{_sched}.fsdp.caller_no_sync", functools.partial(_caller_no_sync, sched=_sched),
+             world=_world("fsdp"))
 
 
 def _grad_eval_own_backward_no_sync(ctx, sched):
