@@ -121,7 +121,8 @@ class Pipeline:
         self.scale_grads = scale_grads
         self.kind = kind
         # The float64 single-process reference: every rank's data, every stage's layers in order
-        self.ref = copy.deepcopy(full).double() if reference and not autograd_in_forward and pp > 1 else None
+        self.ref = (copy.deepcopy(full).double()
+                    if reference and not autograd_in_forward and (pp > 1 or reference == "always") else None)
         self.refs = [self.ref] * (ctx.world // pp)
         if self.ref is not None and kind == "container":
             # A container stage's own parameters (embedding, norm) are not data parallel: each
@@ -233,7 +234,7 @@ class Pipeline:
             # caller's policy read back between steps (docs/parity.md)
             self.ctx.fsdp_state(f"after step {self.step_index}", self.container)
 
-    def step(self, *, eval_mode=False, data_step=None, **kwargs):
+    def step(self, *, eval_mode=False, data_step=None, reference_step=True, record_output=True, **kwargs):
         ctx = self.ctx
         data_step = self.step_index if data_step is None else data_step
         args, kw = self.inputs(data_step)
@@ -244,13 +245,13 @@ class Pipeline:
         self.in_eval = eval_mode
         out = ctx.expect(fn, *args, losses=losses, **kw, **kwargs)
         self.in_eval = False
-        if not eval_mode:
+        if not eval_mode and reference_step:  # a step that raises adds nothing to the reference
             self.ref_step(data_step, kwargs.get("finalize_gradients", True))
         for i, loss in enumerate(losses):
             ctx.tensor(f"loss {i}", loss)
         if isinstance(out, torch.Tensor):
             ctx.tensor("output", out)
-        else:
+        elif record_output:
             ctx.value("output", type(out).__name__)
         if not eval_mode:
             self.step_index += 1
@@ -562,6 +563,37 @@ for _sched in ("1f1b",):
         for _where in ("forward", "loss"):
             register(f"pp1.{_sched}.{_kind}.{_where}_error_retry",
                      functools.partial(_single_stage_error_retry, sched=_sched, kind=_kind, where=_where), world=2)
+
+
+def _single_stage_late_loss_failure(ctx, sched, kind):
+    """One stage per pipeline (pp=1, DP over the world): at step 2 the loss raises on every rank at
+    the last microbatch, after the other microbatches' backward passes; the retry runs without
+    zero_grad(). Compared with the float64 reference, which skips the failed step: a container
+    stage's own parameters (embedding, norm) must not keep the failed step's partial gradients
+    (0025), nor its blocks (0020)."""
+
+    def fail(p):
+        if p.step_index == 1 and not fail.done:
+            fail.calls += 1
+            if fail.calls == p.n_mb:
+                fail.done = True
+                raise Boom("injected loss failure at the last microbatch")
+
+    fail.done, fail.calls = False, 0
+    p = Pipeline(ctx, sched, kind, pp=1, hooks={"loss": fail}, reference="always")
+    p.step()
+    p.optim_step()
+    p.step(reference_step=False)
+    p.step_index = 1
+    # 2.15.0's retry and every step after it raise (no output): only the series' outputs exist
+    p.step(record_output=False)
+    p.optim_step()
+    p.step(record_output=False)
+    p.optim_step()
+
+
+register("pp1.1f1b.container.late_loss_error_retry",
+         functools.partial(_single_stage_late_loss_failure, sched="1f1b", kind="container"), world=2)
 
 
 def _shared_layer(ctx, sched, kind):
