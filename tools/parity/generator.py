@@ -329,8 +329,13 @@ def _render_fsdp(program: dict, keep=None) -> list:
         probe = []
     if probe:
         L.append("held = []")
+        # Oracle b: a head group whose caller's policy reduces in this microbatch holds no unreduced
+        # gradient either (its reduction was issued before the decoder backward: the partial_backward
+        # exit, or autograd's post-backward hook without a scope); a check, not a draw
+        unreduced = b and want("head reduced before the decoder backward")
+        L.append(f"{'unreduced = []' if unreduced else 'unreduced = None'}")
         L.append(f"hold_probe(m, held, lambda: [g for x in [{', '.join(probe)}] "
-                 "for g in x._get_fsdp_state()._fsdp_param_groups])")
+                 "for g in x._get_fsdp_state()._fsdp_param_groups], unreduced)")
     if lay["manual_final"]:
         L.append("m.set_manual_backward_finalization(True)")
     groups = _fsdp_groups(lay)
@@ -387,6 +392,8 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
         L.append("reductions.count.clear()")
     if probe:
         L.append("held.clear()")
+        if b and want("head reduced before the decoder backward"):
+            L.append("unreduced.clear()")
     if op.get("prefetch_head"):
         L.append("m.lm_head.unshard(async_op=True)")
     L.append(f"for mb in range({n_mb}):")
@@ -455,6 +462,10 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     if probe:
         L.append('ctx.check("head freed during the decoder backward", not any(held), '
                  f'f"step {step}: head groups held {{held}} B unsharded when the backward reached layers[0]")')
+        if want("head reduced before the decoder backward"):
+            L.append('ctx.check("head reduced before the decoder backward", not any(unreduced), '
+                     f'f"step {step}: head groups held {{unreduced}} B of unreduced gradients when the backward '
+                     'reached layers[0] in a reducing microbatch")')
     return L
 
 
