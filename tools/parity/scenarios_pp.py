@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _ComputationType
 
 from catalogue import register
 
@@ -41,6 +42,22 @@ SCHEDULES = {
     "dualpipev": (ScheduleDualPipeV, "v"),
 }
 KINDS = ("plain", "fsdp", "replicate", "ddp")
+
+
+class ForwardsThenBackwards(PipelineScheduleMulti):
+    """A custom schedule of one stage per rank, written as a ``pipeline_order`` that
+    ``PipelineScheduleMulti`` runs itself (its own step loop, not the runtime's)."""
+
+    def __init__(self, stages, n_microbatches, loss_fn, **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+        self.pipeline_order = {
+            0: [_Action(0, _ComputationType.FORWARD, i) for i in range(n_microbatches)]
+            + [_Action(0, _ComputationType.FULL_BACKWARD, i) for i in range(n_microbatches)]
+        }
+
+
+#: Custom schedules (pp=1 only), not part of the loops over SCHEDULES
+CUSTOM_SCHEDULES = {"custom_multi": (ForwardsThenBackwards, "single")}
 
 
 class Layer(nn.Module):
@@ -98,7 +115,7 @@ class Pipeline:
                  scale_grads: bool = True, autograd_in_forward: bool = False, hooks=None,
                  shared_layer: bool = False, reference: bool = True) -> None:
         self.ctx = ctx
-        cls, placement = SCHEDULES[sched]
+        cls, placement = SCHEDULES[sched] if sched in SCHEDULES else CUSTOM_SCHEDULES[sched]
         dp = ctx.world // pp
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         self.pp_group = mesh["pp"].get_group()
@@ -153,7 +170,7 @@ class Pipeline:
         self.in_eval = False
         self.read_policies = not hooks  # a hook may change a policy with an old setter
         loss_fn = self._own_backward_loss if loss in ("own_backward", "own_backward_in_eval") else self._loss
-        target = stages[0] if len(stages) == 1 else stages
+        target = stages[0] if len(stages) == 1 and sched in SCHEDULES else stages
         self.schedule = cls(target, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
         self.step_index = 0
         # The caller's no-sync is on (FSDP2's accumulation idiom): FSDP stages leave the step's
@@ -564,6 +581,21 @@ for _sched in ("1f1b",):
             register(f"pp1.{_sched}.{_kind}.{_where}_error_retry",
                      functools.partial(_single_stage_error_retry, sched=_sched, kind=_kind, where=_where), world=2)
 
+
+def _single_stage_no_finalize(ctx, sched, kind):
+    """One stage per pipeline (pp=1, DP over the world) on a custom PipelineScheduleMulti:
+    step(finalize_gradients=False), step(), an optimizer step, twice, against the float64
+    reference (a container stage's blocks stay pending and its gradients unscaled until the
+    finalizing step, 0024, in PipelineScheduleMulti's own step loop too)."""
+    p = Pipeline(ctx, sched, kind, pp=1, reference="always")
+    for _ in range(2):
+        p.step(finalize_gradients=False)
+        p.step()
+        p.optim_step()
+
+
+register("pp1.custom_multi.container.no_finalize_accumulation",
+         functools.partial(_single_stage_no_finalize, sched="custom_multi", kind="container"), world=2)
 
 def _single_stage_late_loss_failure(ctx, sched, kind):
     """One stage per pipeline (pp=1, DP over the world): at step 2 the loss raises on every rank at
