@@ -65,14 +65,15 @@ def _mutant(**kw):
 
 def test_committed_mutants_cover_every_runtime_patch():
     mutants = mutate.load_mutants()
-    assert len(mutants) >= 16
+    assert len(mutants) >= 31
     covered = {m["patch"][:4] for m in mutants}
-    runtime = {f"{n:04d}" for n in [*range(2, 9), *range(10, 25)]}
+    # Every patch that changes runtime code (0001 and 0009 change none), 0025-0027 of revision 5 too
+    runtime = {f"{n:04d}" for n in [*range(2, 9), *range(10, 28)]}
     assert runtime <= covered, sorted(runtime - covered)
     for m in mutants:
         mutate.check_in_patch(m)  # the changed lines are lines that the named patch adds
         assert m["tests"]["files"] and all((REPO / f).is_file() for f in m["tests"]["files"]), m["id"]
-        assert m["gen"]["family"] in ("fsdp", "pp") and set(m["gen"]["oracles"]) <= {"a", "b"}
+        assert m["gen"].get("family") in ("fsdp", "pp", None) and set(m["gen"]["oracles"]) <= {"a", "b"}
         assert len(m["find"].splitlines()) <= 6 and m["description"].endswith(".")
 
 

@@ -186,6 +186,18 @@ def _pp_ops(rng: random.Random, oracle: str, lay: dict, r5: random.Random) -> li
     return ops
 
 
+def _pp_ops_r5b(r5b, oracle: str, lay: dict, ops: list) -> None:
+    """Draws of the revision-5 mutation check: half of oracle b's no-sync idioms on FSDP or
+    container stages (not the V schedules, whose eval() fails on 2.15.0) start with a grad-mode
+    eval() whose loss runs its own backward under the caller's no-sync; it must leave nothing
+    pending (0019), so its gradients are not part of the accumulation."""
+    if oracle != "b" or lay["kind"] == "plain" or lay["placement"] == "v":
+        return
+    for op in ops:
+        if op["op"] == "nosync" and r5b.random() < 0.5:
+            op["eval_first"] = True
+
+
 #: The rediscovery set of seeds.json (revision 3's four bugs): its programs stay as revision 4's
 #: generator drew them, so that re-introducing one of those bugs still makes its seed fail.
 REDISCOVERY = {("b", 92), ("b", 57), ("b", 160), ("b", 13)}
@@ -215,6 +227,9 @@ def generate(seed: int, oracle: str) -> dict:
         lay["replicate"] = (not lay["offload"] and not lay["mp"] and lay["mesh"] == "1d" and lay["raf"] is True
                             and r5.random() < 0.12)
     ops = _pp_ops(rng, oracle, lay, r5) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra, r5)
+    if family == "pp":  # a fifth stream (the revision-5 mutation check), so that the other draws stay
+        _pp_ops_r5b(_NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r5b"),
+                    oracle, lay, ops)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
 
 
@@ -329,8 +344,13 @@ def _render_fsdp(program: dict, keep=None) -> list:
         probe = []
     if probe:
         L.append("held = []")
+        # Oracle b: a head group whose caller's policy reduces in this microbatch holds no unreduced
+        # gradient either (its reduction was issued before the decoder backward: the partial_backward
+        # exit, or autograd's post-backward hook without a scope); a check, not a draw
+        unreduced = b and want("head reduced before the decoder backward")
+        L.append(f"{'unreduced = []' if unreduced else 'unreduced = None'}")
         L.append(f"hold_probe(m, held, lambda: [g for x in [{', '.join(probe)}] "
-                 "for g in x._get_fsdp_state()._fsdp_param_groups])")
+                 "for g in x._get_fsdp_state()._fsdp_param_groups], unreduced)")
     if lay["manual_final"]:
         L.append("m.set_manual_backward_finalization(True)")
     groups = _fsdp_groups(lay)
@@ -387,6 +407,8 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
         L.append("reductions.count.clear()")
     if probe:
         L.append("held.clear()")
+        if b and want("head reduced before the decoder backward"):
+            L.append("unreduced.clear()")
     if op.get("prefetch_head"):
         L.append("m.lm_head.unshard(async_op=True)")
     L.append(f"for mb in range({n_mb}):")
@@ -455,6 +477,10 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     if probe:
         L.append('ctx.check("head freed during the decoder backward", not any(held), '
                  f'f"step {step}: head groups held {{held}} B unsharded when the backward reached layers[0]")')
+        if want("head reduced before the decoder backward"):
+            L.append('ctx.check("head reduced before the decoder backward", not any(unreduced), '
+                     f'f"step {step}: head groups held {{unreduced}} B of unreduced gradients when the backward '
+                     'reached layers[0] in a reducing microbatch")')
     return L
 
 
@@ -490,6 +516,9 @@ def _render_pp(program: dict, keep=None) -> list:
             L.append("pipe.zero_grad()")
         elif kind == "nosync":
             steps = [f"pipe.run({data_step + k})" for k in range(op["steps"])]
+            if op.get("eval_first"):  # grad-mode eval() under the caller's no-sync first
+                steps = [f"pipe.run({50 + i}, eval_mode=True, loss_backward=True)"] + (
+                    [f'pipe.check_idle("op {i} eval")'] if b and idle else []) + steps
             data_step += op["steps"]
             if op["idiom"] == "setter":
                 L += ["pipe.set_sync(False)  # the caller's no-sync: the old setter on the stages' FSDP modules",
@@ -534,7 +563,7 @@ def shrink_candidates(program: dict) -> list:
         if "fail_mb" in op:
             out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k not in ("fail_mb", "fail_in")}]
                         + ops[i + 1:]})
-        for key in ("drop_mb", "head_metric", "fail_chunk", "loss_backward"):
+        for key in ("drop_mb", "head_metric", "fail_chunk", "loss_backward", "eval_first"):
             if key in op:
                 out.append({**program, "ops": ops[:i] + [{k: v for k, v in op.items() if k != key}] + ops[i + 1:]})
         for key, simple in (("sync", "every" if op.get("sync") == "rs_only" else "last"), ("finalize", True), ("no_grad", False), ("is_last_backward", False),

@@ -234,11 +234,30 @@ def policies(m):
     return [x.get_fsdp_policy() for x in fsdp_modules(m)]
 
 
-def hold_probe(m, held, head_groups):
-    """Records the head groups' unsharded bytes when the decoder backward reaches layers[0]."""
+def unreduced_grad_bytes(group_list):
+    """Bytes of unsharded gradients that the groups whose policy reduces now still hold."""
+    total = 0
+    for g in group_list:
+        if not g.reduce_grads:
+            continue
+        for fp in g.fsdp_params:
+            grad = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+            if grad is not None:
+                total += grad.untyped_storage().nbytes()
+    return total
+
+
+def hold_probe(m, held, head_groups, unreduced=None):
+    """Records the head groups' unsharded bytes when the decoder backward reaches layers[0] and,
+    with ``unreduced``, the unreduced gradient bytes of those whose policy reduces then."""
+    def sample(g):
+        held.append(unsharded_bytes(head_groups()))
+        if unreduced is not None:
+            unreduced.append(unreduced_grad_bytes(head_groups()))
+
     def hook(module, args, out):
         if out.requires_grad:
-            out.register_hook(lambda g: held.append(unsharded_bytes(head_groups())))
+            out.register_hook(sample)
     m.layers[0].register_forward_hook(hook)
 
 

@@ -209,7 +209,9 @@ class Pipe:
         if not ref:
             return
         if eval_mode:
-            if loss_backward and torch.is_grad_enabled():
+            # Under the caller's no-sync an FSDP or container stage's eval() leaves its gradients
+            # pending, and its exit drops them (api.md section 6): nothing reaches .grad
+            if loss_backward and torch.is_grad_enabled() and not (self.nosync and self.kind != "plain"):
                 for d in range(self.dp):
                     xs, ys = self.batch(step, d)
                     for xm, ym in zip(xs.chunk(self.n_mb), ys.chunk(self.n_mb)):

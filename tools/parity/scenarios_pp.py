@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _ComputationType
 
 from catalogue import register
 
@@ -41,6 +42,22 @@ SCHEDULES = {
     "dualpipev": (ScheduleDualPipeV, "v"),
 }
 KINDS = ("plain", "fsdp", "replicate", "ddp")
+
+
+class ForwardsThenBackwards(PipelineScheduleMulti):
+    """A custom schedule of one stage per rank, written as a ``pipeline_order`` that
+    ``PipelineScheduleMulti`` runs itself (its own step loop, not the runtime's)."""
+
+    def __init__(self, stages, n_microbatches, loss_fn, **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+        self.pipeline_order = {
+            0: [_Action(0, _ComputationType.FORWARD, i) for i in range(n_microbatches)]
+            + [_Action(0, _ComputationType.FULL_BACKWARD, i) for i in range(n_microbatches)]
+        }
+
+
+#: Custom schedules (pp=1 only), not part of the loops over SCHEDULES
+CUSTOM_SCHEDULES = {"custom_multi": (ForwardsThenBackwards, "single")}
 
 
 class Layer(nn.Module):
@@ -98,7 +115,7 @@ class Pipeline:
                  scale_grads: bool = True, autograd_in_forward: bool = False, hooks=None,
                  shared_layer: bool = False, reference: bool = True) -> None:
         self.ctx = ctx
-        cls, placement = SCHEDULES[sched]
+        cls, placement = SCHEDULES[sched] if sched in SCHEDULES else CUSTOM_SCHEDULES[sched]
         dp = ctx.world // pp
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         self.pp_group = mesh["pp"].get_group()
@@ -121,7 +138,8 @@ class Pipeline:
         self.scale_grads = scale_grads
         self.kind = kind
         # The float64 single-process reference: every rank's data, every stage's layers in order
-        self.ref = copy.deepcopy(full).double() if reference and not autograd_in_forward and pp > 1 else None
+        self.ref = (copy.deepcopy(full).double()
+                    if reference and not autograd_in_forward and (pp > 1 or reference == "always") else None)
         self.refs = [self.ref] * (ctx.world // pp)
         if self.ref is not None and kind == "container":
             # A container stage's own parameters (embedding, norm) are not data parallel: each
@@ -152,9 +170,12 @@ class Pipeline:
         self.in_eval = False
         self.read_policies = not hooks  # a hook may change a policy with an old setter
         loss_fn = self._own_backward_loss if loss in ("own_backward", "own_backward_in_eval") else self._loss
-        target = stages[0] if len(stages) == 1 else stages
+        target = stages[0] if len(stages) == 1 and sched in SCHEDULES else stages
         self.schedule = cls(target, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=scale_grads)
         self.step_index = 0
+        # The caller's no-sync is on (FSDP2's accumulation idiom): FSDP stages leave the step's
+        # gradients unscaled (0026), the reference too
+        self.caller_no_sync = False
 
     # ---- construction
     def _wrap(self, mod, kind, last):
@@ -230,7 +251,7 @@ class Pipeline:
             # caller's policy read back between steps (docs/parity.md)
             self.ctx.fsdp_state(f"after step {self.step_index}", self.container)
 
-    def step(self, *, eval_mode=False, data_step=None, **kwargs):
+    def step(self, *, eval_mode=False, data_step=None, reference_step=True, record_output=True, **kwargs):
         ctx = self.ctx
         data_step = self.step_index if data_step is None else data_step
         args, kw = self.inputs(data_step)
@@ -241,13 +262,13 @@ class Pipeline:
         self.in_eval = eval_mode
         out = ctx.expect(fn, *args, losses=losses, **kw, **kwargs)
         self.in_eval = False
-        if not eval_mode:
+        if not eval_mode and reference_step:  # a step that raises adds nothing to the reference
             self.ref_step(data_step, kwargs.get("finalize_gradients", True))
         for i, loss in enumerate(losses):
             ctx.tensor(f"loss {i}", loss)
         if isinstance(out, torch.Tensor):
             ctx.tensor("output", out)
-        else:
+        elif record_output:
             ctx.value("output", type(out).__name__)
         if not eval_mode:
             self.step_index += 1
@@ -293,7 +314,7 @@ class Pipeline:
                 local = self.kind == "container" and name.split(".")[0] in ("embed", "norm")
                 w = 1.0 if local else 1.0 / dp
                 p.grad = w * g if p.grad is None else p.grad + w * g
-        if self.scale_grads and (self.kind in ("plain", "ddp", "replicate") or finalize):
+        if self.scale_grads and (self.kind in ("plain", "ddp", "replicate") or (finalize and not self.caller_no_sync)):
             for p in self.ref_params():
                 if p.grad is not None:
                     p.grad /= self.n_mb
@@ -561,6 +582,52 @@ for _sched in ("1f1b",):
                      functools.partial(_single_stage_error_retry, sched=_sched, kind=_kind, where=_where), world=2)
 
 
+def _single_stage_no_finalize(ctx, sched, kind):
+    """One stage per pipeline (pp=1, DP over the world) on a custom PipelineScheduleMulti:
+    step(finalize_gradients=False), step(), an optimizer step, twice, against the float64
+    reference (a container stage's blocks stay pending and its gradients unscaled until the
+    finalizing step, 0024, in PipelineScheduleMulti's own step loop too)."""
+    p = Pipeline(ctx, sched, kind, pp=1, reference="always")
+    for _ in range(2):
+        p.step(finalize_gradients=False)
+        p.step()
+        p.optim_step()
+
+
+register("pp1.custom_multi.container.no_finalize_accumulation",
+         functools.partial(_single_stage_no_finalize, sched="custom_multi", kind="container"), world=2)
+
+def _single_stage_late_loss_failure(ctx, sched, kind):
+    """One stage per pipeline (pp=1, DP over the world): at step 2 the loss raises on every rank at
+    the last microbatch, after the other microbatches' backward passes; the retry runs without
+    zero_grad(). Compared with the float64 reference, which skips the failed step: a container
+    stage's own parameters (embedding, norm) must not keep the failed step's partial gradients
+    (0025), nor its blocks (0020)."""
+
+    def fail(p):
+        if p.step_index == 1 and not fail.done:
+            fail.calls += 1
+            if fail.calls == p.n_mb:
+                fail.done = True
+                raise Boom("injected loss failure at the last microbatch")
+
+    fail.done, fail.calls = False, 0
+    p = Pipeline(ctx, sched, kind, pp=1, hooks={"loss": fail}, reference="always")
+    p.step()
+    p.optim_step()
+    p.step(reference_step=False)
+    p.step_index = 1
+    # 2.15.0's retry and every step after it raise (no output): only the series' outputs exist
+    p.step(record_output=False)
+    p.optim_step()
+    p.step(record_output=False)
+    p.optim_step()
+
+
+register("pp1.1f1b.container.late_loss_error_retry",
+         functools.partial(_single_stage_late_loss_failure, sched="1f1b", kind="container"), world=2)
+
+
 def _shared_layer(ctx, sched, kind):
     """A layer shared by a rank's two loop stages (stages r and r + pp run the same module):
     train, eval() between a step and its optimizer step, train (issue 25 point 1's layout).
@@ -584,6 +651,53 @@ for _sched in ("interleaved_1f1b", "looped_bfs"):
     for _kind in ("plain",):
         register(f"pp.{_sched}.{_kind}.shared_layer", functools.partial(_shared_layer, sched=_sched, kind=_kind),
                  world=_world(_kind), timeout=30)
+
+
+# A block shared by a rank's two loop stages with scale_grads=True: 2.15.0 divides its gradient once
+# per stage (the first division before the other stage's backward passes added theirs); 0027
+# divides it once, by the last of its stages to finish (api.md; allowlisted: numbers)
+def _shared_layer_scaled(ctx, sched):
+    """A layer shared by a rank's two loop stages, scale_grads=True: three steps, each followed by
+    an optimizer step, against the float64 reference (the shared layer's gradient divided once)."""
+    p = Pipeline(ctx, sched, "plain", shared_layer=True)
+    p.flags()
+    for _ in range(3):
+        p.step()
+        p.optim_step()
+
+
+for _sched in ("interleaved_1f1b", "looped_bfs"):
+    register(f"pp.{_sched}.plain.shared_layer.scale_grads", functools.partial(_shared_layer_scaled, sched=_sched),
+             world=_world("plain"), timeout=30)
+
+
+def _caller_no_sync(ctx, sched):
+    """FSDP2's accumulation idiom on FSDP stages: two steps under the caller's
+    set_requires_gradient_sync(False), then a syncing step and an optimizer step, twice. 2.15.0
+    reduces and scales every step (the earlier steps' gradients divided again); 0026 leaves the
+    no-sync steps' gradients pending and unscaled, so the syncing step gives the sum of the steps'
+    means (the float64 reference)."""
+    p = Pipeline(ctx, sched, "fsdp")
+    fsdp_modules = [m for mod in p.stage_mods.values() for m in mod.modules() if isinstance(m, FSDPModule)]
+    p.flags()
+    for _ in range(2):
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(False)
+        ctx.policy_changed()
+        p.caller_no_sync = True
+        p.step()
+        p.step()
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(True)
+        ctx.policy_changed()
+        p.caller_no_sync = False
+        p.step()
+        p.optim_step()
+
+
+for _sched in NON_V_CORE:
+    register(f"pp.{_sched}.fsdp.caller_no_sync", functools.partial(_caller_no_sync, sched=_sched),
+             world=_world("fsdp"))
 
 
 def _grad_eval_own_backward_no_sync(ctx, sched):

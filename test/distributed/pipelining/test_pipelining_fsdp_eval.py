@@ -107,6 +107,46 @@ class TestPipelineStepWorld2(_Base):
             self._assert_grads_match(f"children step {it}")
             self._optimizer_step()
 
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    def test_grad_eval_loss_backward_children_no_sync(self, schedule: str):
+        """A plain stage module whose sharded children do not sync
+        (set_requires_gradient_sync(False)) runs eval() in grad mode with a
+        loss that runs backward through the stage output itself: eval()
+        leaves no pending gradients on the children, so the training steps
+        after it (children syncing again) get the reference gradients, not
+        the evaluation's gradients reduced with their own."""
+        sched = self._build(schedule, "children")
+        blocks = [b for m in self.modules.values() for b in m.blocks]
+        loss_fn = sched._loss_fn
+
+        def loss_backward_in_eval(out, target):
+            loss = loss_fn(out, target)
+            if torch.is_grad_enabled() and not sched._has_backward:
+                loss.backward()
+            return loss
+
+        sched._loss_fn = loss_backward_in_eval
+        x, y = self._data(0)
+        self._run_step(sched, x, y)
+        self._reference_grads([(x, y)])
+        self._assert_grads_match(f"{schedule} before eval")
+        self._optimizer_step()
+        for block in blocks:
+            block.set_requires_gradient_sync(False)
+        e = self._data(1)
+        sched.eval(e[0]) if self.rank == 0 else sched.eval(target=e[1])
+        for block in blocks:
+            self.assertFalse(block.has_pending_gradients(), msg=f"{schedule} after eval")
+            block.set_requires_gradient_sync(True)
+        for module in self.modules.values():
+            module.zero_grad(set_to_none=True)
+        for it in range(2):
+            x, y = self._data(10 + it)
+            self._run_step(sched, x, y)
+            self._reference_grads([(x, y)])
+            self._assert_grads_match(f"{schedule} step {it} after eval")
+            self._optimizer_step()
+
 
 instantiate_parametrized_tests(TestPipelineStepWorld2)
 
