@@ -518,7 +518,7 @@ def _render_pp(program: dict, keep=None) -> list:
             steps = [f"pipe.run({data_step + k})" for k in range(op["steps"])]
             if op.get("eval_first"):  # grad-mode eval() under the caller's no-sync first
                 steps = [f"pipe.run({50 + i}, eval_mode=True, loss_backward=True)"] + (
-                    [f'pipe.check_idle("op {i} eval")'] if b and idle else []) + steps
+                    [f'pipe.check_idle("op {i} eval", evaluation=True)'] if b and idle else []) + steps
             data_step += op["steps"]
             if op["idiom"] == "setter":
                 L += ["pipe.set_sync(False)  # the caller's no-sync: the old setter on the stages' FSDP modules",
