@@ -6,7 +6,9 @@ modules by default), ``--microbatches`` microbatches. After ``--warmup``
 steps and evals (metadata inference, lazy init), a ``step()`` after a step and
 an ``eval()`` after an eval run under :mod:`cProfile`; the result is the number of Python
 function calls each made (``pstats.Stats.total_calls``, deterministic for a
-given torch). Run it with the pristine and with the patched torch and compare:
+given torch): ``eval()`` both under ``torch.no_grad()`` and in grad mode (the
+default call), for an FSDP stage module and for a container stage module
+(the blocks fully_shard'ed, the stage module plain: ``--blocks`` roots). Run it with the pristine and with the patched torch and compare:
 
     python tools/bench/pp_host_calls.py --json tools/bench/results/pp-host-calls-pristine.json
 """
@@ -59,6 +61,18 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="result file to write")
     args = p.parse_args()
     load_before = results.load()
+    out: dict[str, int] = {}
+    for layout in ("fsdp", "container"):
+        out.update(measure(args, layout))
+    fsdp_modules = args.blocks + 1
+    print(f"torch {torch.__version__}: {args.microbatches} microbatches: {out}", file=sys.stderr)
+    params = {"blocks": args.blocks, "fsdp_modules": fsdp_modules, "microbatches": args.microbatches,
+              "dim": args.dim, "warmup": args.warmup, "schedule": "Schedule1F1B", "world": 1,
+              "layouts": "fsdp: blocks + FSDP stage module; container: blocks only"}
+    results.write(args.json, "pp_host_calls", params, out, load_before, torch.__version__)
+
+
+def measure(args: argparse.Namespace, layout: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1
@@ -68,7 +82,8 @@ def main() -> None:
         model = nn.Sequential(*(Block(args.dim) for _ in range(args.blocks)))
         for block in model:
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if layout == "fsdp":
+            fully_shard(model, mesh=mesh)
         stage = PipelineStage(model, 0, 1, torch.device("cpu"))
         sched = Schedule1F1B(stage, args.microbatches, loss_fn=F.mse_loss)
         batch = 2 * args.microbatches
@@ -81,23 +96,28 @@ def main() -> None:
             with torch.no_grad():
                 sched.eval(x, target=y)
 
+        def evaluate_grad_mode() -> None:
+            sched.eval(x, target=y)
+
         for _ in range(args.warmup):
             step()
             evaluate()
-        # A step after a step and an eval after an eval: no metadata
-        # inference (it reruns at each switch between eval and training)
+            evaluate_grad_mode()
+        # A step after a step and an eval after an eval of the same kind: no
+        # metadata inference (it reruns at each switch between eval and training)
         step()
         per_step = calls_of(step)
         evaluate()
         per_eval = calls_of(evaluate)
+        evaluate_grad_mode()
+        per_eval_grad = calls_of(evaluate_grad_mode)
         dist.destroy_process_group()
-    fsdp_modules = args.blocks + 1
-    out = {"python_calls_per_step": per_step, "python_calls_per_eval": per_eval}
-    print(f"torch {torch.__version__}: {fsdp_modules} FSDP modules, {args.microbatches} microbatches: "
-          f"{per_step} Python calls per step, {per_eval} per eval()", file=sys.stderr)
-    params = {"blocks": args.blocks, "fsdp_modules": fsdp_modules, "microbatches": args.microbatches,
-              "dim": args.dim, "warmup": args.warmup, "schedule": "Schedule1F1B", "world": 1}
-    results.write(args.json, "pp_host_calls", params, out, load_before, torch.__version__)
+    suffix = "" if layout == "fsdp" else "_container"
+    return {
+        f"python_calls_per_step{suffix}": per_step,
+        f"python_calls_per_eval{suffix}": per_eval,
+        f"python_calls_per_eval_grad_mode{suffix}": per_eval_grad,
+    }
 
 
 if __name__ == "__main__":
