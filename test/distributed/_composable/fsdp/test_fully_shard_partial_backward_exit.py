@@ -37,7 +37,6 @@ from fsdp_lifecycle_testing import (  # noqa: E402
 )
 from test_fully_shard_lifecycle import (  # noqa: E402
     _chunked_loss_step,
-    _DecoderBackwardProbe,
     _head_group,
     _LifecycleTestMixin,
     _loss,
@@ -50,7 +49,6 @@ from test_fully_shard_lifecycle import (  # noqa: E402
     LR,
     NUM_CHUNKS,
     NUM_MICROBATCHES,
-    NUM_STEPS,
     SEQ_LEN,
     Transformer,
     VOCAB_SIZE,
@@ -259,28 +257,8 @@ def _held_bytes(model: Transformer) -> int:
     return sum(sum(_unsharded_bytes(g)) for g in fsdp_param_groups(model))
 
 
-class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
-    """
-    What a ``partial_backward()`` exit finishes is decided by what the outer
-    backward will reach, for separate, grouped and tied heads, with the scope
-    on ``lm_head`` and on the root, against the non-chunked program on the
-    same torch and a float64 single-process reference over several optimizer
-    steps:
-
-    - A microbatch whose chunk losses are computed but whose backwards are all
-      skipped (a loss guard), and a ``torch.no_grad()`` evaluation chunk loop,
-      leave every group as the non-chunked program does: nothing gathered at
-      ``optimizer.step()`` or after the evaluation. Revision 4 left the head
-      gathered (2048 B): the next step's head forward skipped its all-gather
-      and used the pre-step weights (gradient error 5.7e-03). The same holds
-      under manual backward finalization, also for an evaluation whose scope
-      has ``outer_backward=False`` (which left the head gathered and pending).
-    - A grad-enabled head call on the last position before the scope, whose
-      output is detached, does not make the outer backward reach a separate
-      head: during the decoder backward the head holds what it holds in the
-      non-chunked program and its reduce-scatter was issued as often.
-      Revision 4 kept 2048 B + 2048 B and issued it in the final callback.
-    """
+class _PartialBackwardReachMixin:
+    """World size, mesh and float64 reference of the reach tests."""
 
     @property
     def world_size(self) -> int:
@@ -318,6 +296,25 @@ class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
                 rtol=1e-5,
                 msg=lambda m, name=name: f"{where}: {what} of {name}: {m}",
             )
+
+
+class TestFullyShardPartialBackwardReach(
+    _PartialBackwardReachMixin, GlooMultiProcessTestCase
+):
+    """
+    A ``partial_backward()`` exit leaves every group as the non-chunked
+    program does, for separate, grouped and tied heads, with the scope on
+    ``lm_head`` and on the root, against the non-chunked program on the same
+    torch and a float64 single-process reference over several optimizer
+    steps: a microbatch whose chunk losses are computed but whose backwards
+    are all skipped (a loss guard), and a ``torch.no_grad()`` evaluation chunk
+    loop, leave nothing gathered at ``optimizer.step()`` or after the
+    evaluation. Revision 4 left the head gathered (2048 B): the next step's
+    head forward skipped its all-gather and used the pre-step weights
+    (gradient error 5.7e-03). The same holds under manual backward
+    finalization, also for an evaluation whose scope has
+    ``outer_backward=False`` (which left the head gathered and pending).
+    """
 
     @parametrize("layout", list(HEAD_LAYOUTS))
     def test_scope_without_backward(self, layout: str):
@@ -370,92 +367,6 @@ class TestFullyShardPartialBackwardReach(GlooMultiProcessTestCase):
                 # At optimizer.step and after evaluation, as without chunking
                 self.assertEqual(held[program, manual], held["full", manual], where)
                 self.assertEqual(held["full", manual], [0, 0, 0], where)
-
-    @parametrize("layout", list(HEAD_LAYOUTS))
-    def test_detached_head_call_outside_scope(self, layout: str):
-        mesh = self._mesh()
-        # (program, whether each microbatch makes the detached head call)
-        runs = [("full", True)] + [(p, c) for p in PROGRAMS[1:] for c in (True, False)]
-        models, ref = {}, None
-        for run in runs:
-            models[run], ref = _make_rootless_models(layout, mesh)
-        optims = {r: torch.optim.SGD(m.parameters(), lr=LR) for r, m in models.items()}
-        ref_optim = torch.optim.SGD(ref.parameters(), lr=LR)
-        recorders = {r: _Recorder(m) for r, m in models.items()}
-        probes = {
-            r: _DecoderBackwardProbe(m, _head_group(m), recorders[r])
-            for r, m in models.items()
-        }
-        for step in range(NUM_STEPS):
-            tokens, labels = random_token_microbatches(
-                100 * step + self.rank, NUM_MICROBATCHES, VOCAB_SIZE, BATCH_SIZE, SEQ_LEN
-            )
-            # Per microbatch, during each decoder block's backward: the head's
-            # unsharded parameter and gradient bytes and its reduce-scatters
-            samples: dict[tuple[str, bool], list[list[tuple[int, int, int]]]] = {}
-            for (program, metric_call), model in models.items():
-                recorder, probe = recorders[program, metric_call], probes[program, metric_call]
-                head = _head_group(model)
-                with recorder.record():
-                    for mb in range(NUM_MICROBATCHES):
-                        probe.samples.clear()
-                        probe.start = recorder.reduce_scatters[head]
-                        # No-sync microbatches, then a reducing one
-                        with _microbatch_policy(model, "on", mb):
-                            _microbatch(
-                                model,
-                                program,
-                                tokens[mb],
-                                labels[mb],
-                                metric_call=metric_call,
-                            )
-                        samples.setdefault((program, metric_call), []).append(
-                            list(probe.samples)
-                        )
-            self._reference_step(ref, tokens, labels)
-            for run, model in models.items():
-                self._assert_close_to_reference(model, ref, "grad", f"step {step}, {run}")
-                optims[run].step()
-                optims[run].zero_grad()
-            ref_optim.step()
-            ref_optim.zero_grad()
-            for run, model in models.items():
-                self._assert_close_to_reference(model, ref, "param", f"step {step}, {run}")
-
-            def position(samples):
-                # Bytes held and whether the head's reduction was issued. The
-                # tied group is reduced at the embedding's backward, after the
-                # decoder's (the non-chunked program also reduces the head's
-                # share when autograd leaves ``lm_head``): compare its weight
-                return [
-                    [s[0] if layout == "tied" else (s[0], s[1], s[2] > 0) for s in mb]
-                    for mb in samples
-                ]
-
-            for program in PROGRAMS[1:]:
-                where = f"step {step}, {program}"
-                # The detached call changes nothing
-                self.assertEqual(
-                    samples[program, True], samples[program, False], where
-                )
-                self.assertEqual(
-                    position(samples[program, True]),
-                    position(samples["full", True]),
-                    where,
-                )
-            if layout == "separate":
-                # Resharded and, on the reducing microbatch, reduced before
-                # the decoder backward, as without chunking
-                num_layers = len(ref.layers)
-                head_grad_bytes = ref.lm_head.weight.numel() * 4
-                for program in PROGRAMS:
-                    self.assertEqual(
-                        samples[program, True],
-                        [[(0, head_grad_bytes, 0)] * num_layers]
-                        * (NUM_MICROBATCHES - 1)
-                        + [[(0, 0, 1)] * num_layers],
-                        program,
-                    )
 
 
 instantiate_parametrized_tests(TestFullyShardPartialBackwardReach)
