@@ -1,19 +1,22 @@
 # Owner(s): ["oncall: distributed"]
 """
-``step()`` then ``eval()`` on a stage module that is a plain container of
-``fully_shard``'ed blocks keeps the step's gradients visible on the module.
+``step()`` then ``eval()`` keeps the step's gradients visible on a stage
+module whose FSDP roots stay unsharded after a forward: a plain container of
+``fully_shard``'ed blocks (each block is an FSDP root), and an FSDP stage
+module (the root) that holds a parameter of its own.
 
-Each block of such a stage is an FSDP root, and FSDP keeps a root unsharded
-after its forward, with the unsharded parameters registered, until a backward
-or a reshard. ``eval()`` runs no backward, so after ``step()``, ``eval()``
-the stage module's ``parameters()`` were the blocks' unsharded parameters,
-whose ``.grad`` is ``None``: code that reads the gradients through the module
-before the optimizer step (gradient clipping, logging) missed the step's
-gradients, and an ``eval()`` after the optimizer step computed with the
-blocks' parameters from before it. An evaluation step now reshards the blocks
-that held gradients at its entry.
+FSDP keeps a root unsharded after its forward, with the unsharded parameters
+registered, until a backward or a reshard. ``eval()`` runs no backward, so
+after ``step()``, ``eval()`` the stage module's ``parameters()`` were the
+roots' unsharded parameters, whose ``.grad`` is ``None``: code that reads the
+gradients through the module before the optimizer step (gradient clipping,
+logging) missed the step's gradients, and an ``eval()`` after the optimizer
+step computed with the roots' parameters from before it. An evaluation step
+now reshards the roots that held gradients at its entry.
 
-Schedules: GPipe, 1F1B and Interleaved1F1B (two stages per rank); ``eval()``
+Container stages: GPipe, 1F1B and Interleaved1F1B (two stages per rank);
+FSDP stage modules: GPipe and 1F1B (the schedules with several stages per
+rank reshard them already); ``eval()``
 in grad mode, in grad mode with a loss that runs its own backward (its
 gradients add to the step's, as on 2.15.0), and under ``torch.no_grad()``.
 Gradients read through the stage modules and the next ``eval()``'s losses are
@@ -78,14 +81,17 @@ class Block(nn.Module):
 
 
 class StageModule(nn.Module):
-    """Two blocks; the last stage also holds the head, which the loss runs."""
+    """A projection and two blocks; the last stage also holds the head, which
+    the loss runs."""
 
     def __init__(self, last: bool) -> None:
         super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(DIM, DIM) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
         for block in self.blocks:
             x = block(x)
         return x
@@ -103,22 +109,34 @@ class TestPipelineContainerEvalAfterStep(GlooMultiProcessTestCase):
 
     @parametrize("schedule", list(SCHEDULES))
     def test_eval_keeps_the_step_gradients_visible(self, schedule: str):
+        """Container stages; see :meth:`_check_schedule`."""
+        self._check_schedule(schedule, "container")
+
+    @parametrize("schedule", ["gpipe", "1f1b"])
+    def test_eval_keeps_the_fsdp_root_gradients_visible(self, schedule: str):
+        """FSDP stage modules whose root holds ``proj`` itself; see
+        :meth:`_check_schedule`."""
+        self._check_schedule(schedule, "fsdp")
+
+    def _check_schedule(self, schedule: str, kind: str) -> None:
         """Per eval kind: STEPS times step(a), eval(e), the gradients read
         through the stage modules (ref(a), plus the head's gradient of e if
         the loss runs its own backward), the optimizer step, then
         eval(e) under no_grad, whose losses are the reference's with the
         updated parameters (2.15.0 and the series without the fix: every
-        block's gradient None through the module, and the second eval()
-        computes with the blocks' parameters from before the optimizer
+        root's gradient None through the module, and the second eval()
+        computes with the roots' parameters from before the optimizer
         step)."""
         # Double precision: the pipeline and the reference sum the
         # microbatches' gradients in different orders
         torch.set_default_dtype(torch.float64)
         mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
         for grad_mode, loss in EVALS:
-            self._check_eval_kind(mesh, schedule, grad_mode, loss)
+            self._check_eval_kind(mesh, schedule, kind, grad_mode, loss)
 
-    def _check_eval_kind(self, mesh, schedule: str, grad_mode: str, loss_kind: str) -> None:
+    def _check_eval_kind(
+        self, mesh, schedule: str, kind: str, grad_mode: str, loss_kind: str
+    ) -> None:
         schedule_cls, per_rank = SCHEDULES[schedule]
         num_stages = PP * per_rank
         last = num_stages - 1
@@ -135,7 +153,12 @@ class TestPipelineContainerEvalAfterStep(GlooMultiProcessTestCase):
                 fully_shard(block, mesh=mesh["dp"])
             if module.head is not None:
                 fully_shard(module.head, mesh=mesh["dp"])
-            # The stage module stays a plain container of FSDP modules
+            if kind == "container":
+                # The stage module stays a plain container of FSDP modules
+                fully_shard(module.proj, mesh=mesh["dp"])
+            else:
+                # The stage module is the FSDP root and holds proj itself
+                fully_shard(module, mesh=mesh["dp"])
             modules[idx] = module
             stages.append(
                 PipelineStage(
@@ -200,7 +223,7 @@ class TestPipelineContainerEvalAfterStep(GlooMultiProcessTestCase):
             for idx, module in modules.items():
                 ref_params = dict(reference[idx].named_parameters())
                 for name, p in module.named_parameters():
-                    msg = f"{schedule} {grad_mode} {loss_kind} step {it}: stage {idx} {name}"
+                    msg = f"{kind} {schedule} {grad_mode} {loss_kind} step {it}: stage {idx} {name}"
                     self.assertIsNotNone(p.grad, msg=msg)
                     grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                     self.assertEqual(grad, ref_params[name].grad, atol=1e-10, rtol=1e-8, msg=msg)
@@ -220,7 +243,7 @@ class TestPipelineContainerEvalAfterStep(GlooMultiProcessTestCase):
                     expected = ref_losses(evaluation)
                 self.assertEqual(
                     torch.stack(losses), torch.stack(expected), atol=1e-10, rtol=1e-8,
-                    msg=f"{schedule} {grad_mode} {loss_kind} eval after optimizer step {it}",
+                    msg=f"{kind} {schedule} {grad_mode} {loss_kind} eval after optimizer step {it}",
                 )
 
 
