@@ -428,6 +428,12 @@ def _train_eval_sequence(ctx, sched, kind):
 for _sched in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
     register(f"pp.{_sched}.container.train_eval_sequence",
              functools.partial(_train_eval_sequence, sched=_sched, kind="container"), world=_world("container"))
+# FSDP stage modules whose root holds parameters of its own (embed), on the
+# schedules with one stage per rank (the others reshard the stage module after
+# its evaluation forward already)
+for _sched in ("gpipe", "1f1b"):
+    register(f"pp.{_sched}.fsdp.train_eval_sequence",
+             functools.partial(_train_eval_sequence, sched=_sched, kind="fsdp"), world=_world("fsdp"))
 
 
 def _eval_around(ctx, sched, kind, **kw):
