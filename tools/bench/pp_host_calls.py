@@ -111,12 +111,24 @@ def measure(args: argparse.Namespace, layout: str) -> dict[str, int]:
         per_eval = calls_of(evaluate)
         evaluate_grad_mode()
         per_eval_grad = calls_of(evaluate_grad_mode)
+        # The evaluations above run with the steps' gradients held (no
+        # zero_grad()), where 0029 reshards the FSDP roots at each eval's exit
+        # so that the gradients stay visible and a later eval uses the updated
+        # parameters (one more all-gather per root at the next eval); the same
+        # after zero_grad(), as in a loop that evaluates after its optimizer step
+        model.zero_grad(set_to_none=True)
+        evaluate()
+        per_eval_cleared = calls_of(evaluate)
+        evaluate_grad_mode()
+        per_eval_grad_cleared = calls_of(evaluate_grad_mode)
         dist.destroy_process_group()
     suffix = "" if layout == "fsdp" else "_container"
     return {
         f"python_calls_per_step{suffix}": per_step,
         f"python_calls_per_eval{suffix}": per_eval,
         f"python_calls_per_eval_grad_mode{suffix}": per_eval_grad,
+        f"python_calls_per_eval_no_grads{suffix}": per_eval_cleared,
+        f"python_calls_per_eval_grad_mode_no_grads{suffix}": per_eval_grad_cleared,
     }
 
 
