@@ -482,8 +482,41 @@ def test_rediscovery_seeds_keep_revision_4_programs():
         prog = generator.generate(seed, oracle)
         lay = prog["layout"]
         assert not lay.get("offload") and not lay.get("replicate") and lay.get("caller_raf", True)
+        assert lay.get("root_raf") is None and not lay.get("lazy_init_fails")
         assert not any({"drop_mb", "head_metric", "fail_chunk", "loss_backward", "fail_in"} & set(op)
-                       or op["op"] in ("fail", "nosync", "eval_chunked") for op in prog["ops"])
+                       or op["op"] in ("fail", "fail_all", "nosync", "eval_chunked") for op in prog["ops"])
+
+
+def test_mutation_check_shapes_of_revision_5():
+    """The sixth stream's draws (the root's set_reshard_after_forward before lazy init, a lazy init
+    that raises, a step failing on every rank then acknowledged and retried) and the oracle B checks
+    of the new APIs that every FSDP program renders."""
+    a, b = _programs("a", family="fsdp"), _programs("b", family="fsdp")
+    for progs in (a, b):
+        raf = [p for p in progs if p["layout"]["root_raf"] is not None]
+        assert len(raf) >= 5
+        for p in raf:
+            assert "m.set_reshard_after_forward(True, recurse=False)" in generator.render(p)
+            assert not p["layout"]["replicate"] and p["layout"]["head"] != "root"
+    assert not any(p["layout"]["lazy_init_fails"] for p in a)
+    lazy = [p for p in b if p["layout"]["lazy_init_fails"]]
+    assert len(lazy) >= 5 and all("failed_lazy_init(ctx, m)" in generator.render(p) for p in lazy)
+    assert not generator.valid({**a[0], "layout": {**a[0]["layout"], "lazy_init_fails": True}})
+    checks = ["refuses_bad_policies(", "all-reduces per group == minimum", "one debug line per reduction",
+              "forward complete", "has_pending_gradients() after a finalized step"]
+    for p in b:
+        body = generator.render(p)
+        assert all(c in body for c in checks), p["seed"]
+    manual = [p for p in b if p["layout"]["manual_final"] and generator._root_trainable(p["layout"])]
+    assert manual and all("has_pending_gradients() until finalize_backward" in generator.render(p) for p in manual)
+    pp_b = _programs("b", family="pp")
+    fail_all = [p for p in pp_b if any(o["op"] == "fail_all" for o in p["ops"])]
+    assert len(fail_all) >= 5 and all(p["layout"]["placement"] == "single" for p in fail_all)
+    assert not any(o["op"] == "fail_all" for p in _programs("a", family="pp") for o in p["ops"])
+    for p in fail_all:
+        i = next(i for i, o in enumerate(p["ops"]) if o["op"] == "fail_all")
+        assert p["ops"][i - 1] == {"op": "step", "finalize": True}
+        assert "pipe.fail_every_rank(" in generator.render(p)
 
 
 def test_one_rank_failure_programs_run_with_a_short_process_group_timeout():

@@ -29,7 +29,8 @@ ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Schedu
 SIMPLEST = {
     "fsdp": [("aux", False), ("mp", False), ("mesh", "1d"), ("world", 2), ("manual_final", False), ("chunked", False),
              ("raf", True), ("blocks", "per_block"), ("head", "separate"), ("frozen_embed", False),
-             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2), ("offload", False), ("replicate", False)],
+             ("norm_in_forward", True), ("n_mb", 1), ("n_chunks", 2), ("offload", False), ("replicate", False),
+             ("root_raf", None), ("lazy_init_fails", False)],
     "pp": [("world", 2), ("kind", "plain"), ("shared", "none"), ("scale_grads", False), ("n_mb", 2),
            ("caller_raf", True)],
 }
@@ -78,6 +79,31 @@ def _fsdp_ops(rng: random.Random, oracle: str, lay: dict, extra: random.Random, 
 
 
 SCOPE_HEADS = ("separate", "grouped", "tied")  # heads with an FSDP group of their own: the scope's module
+
+
+def _has_sub_fsdp(lay: dict) -> bool:
+    """Whether the layout has an FSDP module below the root."""
+    return lay["blocks"] == "per_block" or lay["head"] in SCOPE_HEADS or lay["aux"]
+
+
+def _root_raf_ok(lay: dict) -> bool:
+    """Whether the root may reshard after forward: not under ``replicate()`` (which never does), and
+    only if no parameter of the root's own group is used after the root forward (the head computes
+    outside it: with ``head="root"``, or the norm of a separate head outside the forward, the
+    program would call a module whose parameters are sharded again)."""
+    if lay.get("replicate"):
+        return False
+    return lay["head"] in ("grouped", "tied") or (lay["head"] == "separate" and lay["norm_in_forward"])
+
+
+def _fsdp_layout_r6(r6, oracle: str, lay: dict) -> None:
+    """The mutation check's additions to an FSDP layout (issue 32): the root's
+    ``set_reshard_after_forward(True)`` before the first forward (2.15.0's setter, which the root's
+    lazy initialization must not override: 0002), and in oracle b a first forward whose lazy
+    initialization raises, followed by ``reset_iter_state()`` (0012)."""
+    root_raf, lazy = r6.random(), r6.random()
+    lay["root_raf"] = True if root_raf < 0.15 and _root_raf_ok(lay) else None
+    lay["lazy_init_fails"] = oracle == "b" and lazy < 0.15 and _has_sub_fsdp(lay)
 
 
 def _fsdp_train_r5(r5: random.Random, lay: dict, train: dict) -> None:
@@ -198,6 +224,19 @@ def _pp_ops_r5b(r5b, oracle: str, lay: dict, ops: list) -> None:
             op["eval_first"] = True
 
 
+def _pp_ops_r6(r6, oracle: str, lay: dict, ops: list) -> None:
+    """Draws of issue 32's mutation check on revision 5: in oracle b, one stage per rank (GPipe,
+    1F1B), a step that fails on every rank after the clean first step, acknowledged with
+    ``acknowledge_failed_step(all_ranks_failed=True)`` and retried (0021: the failed step's
+    completed sends that it did not wait on are not "in flight", so the retry runs)."""
+    if oracle != "b" or lay["placement"] != "single":
+        return
+    if r6.random() < 0.3:
+        first = next(i for i, op in enumerate(ops) if op["op"] == "step")
+        if ops[first]["finalize"] and not any(op["op"] == "fail" for op in ops):
+            ops.insert(first + 1, {"op": "fail_all"})
+
+
 #: The rediscovery set of seeds.json (revision 3's four bugs): its programs stay as revision 4's
 #: generator drew them, so that re-introducing one of those bugs still makes its seed fail.
 REDISCOVERY = {("b", 92), ("b", 57), ("b", 160), ("b", 13)}
@@ -226,10 +265,15 @@ def generate(seed: int, oracle: str) -> dict:
         # replicate() instead of fully_shard() (FSDPModules too; no reshard_after_forward argument)
         lay["replicate"] = (not lay["offload"] and not lay["mp"] and lay["mesh"] == "1d" and lay["raf"] is True
                             and r5.random() < 0.12)
+    if family == "fsdp":  # a sixth stream (issue 32's mutation check on revision 5), so that the other draws stay
+        _fsdp_layout_r6(_NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r6"),
+                        oracle, lay)
     ops = _pp_ops(rng, oracle, lay, r5) if family == "pp" else _fsdp_ops(rng, oracle, lay, extra, r5)
     if family == "pp":  # a fifth stream (the revision-5 mutation check), so that the other draws stay
         _pp_ops_r5b(_NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r5b"),
                     oracle, lay, ops)
+        _pp_ops_r6(_NoDraws() if (oracle, seed) in REDISCOVERY else random.Random(f"{oracle}:{seed}:r6"),
+                   oracle, lay, ops)
     return {"seed": seed, "oracle": oracle, "family": family, "layout": lay, "ops": ops}
 
 
@@ -257,6 +301,10 @@ def valid(program: dict) -> bool:
         if lay["chunked"] and program["oracle"] != "b":
             return False
         if lay.get("replicate") and (lay["mesh"] != "1d" or lay["raf"] is not True or lay.get("mp") or lay.get("offload")):
+            return False
+        if lay.get("root_raf") is not None and not _root_raf_ok(lay):
+            return False
+        if lay.get("lazy_init_fails") and (program["oracle"] != "b" or not _has_sub_fsdp(lay)):
             return False
         for op in program["ops"]:
             if "fail_mb" in op and (lay["chunked"] or lay["manual_final"] or op["fail_mb"] >= lay["n_mb"] - 1):
@@ -290,6 +338,9 @@ def valid(program: dict) -> bool:
                 return False
         if op["op"] == "nosync" and (i + 1 >= len(ops) or ops[i + 1] != {"op": "step", "finalize": True}):
             return False  # the step that syncs follows
+        if op["op"] == "fail_all" and (program["oracle"] != "b" or lay["placement"] != "single" or i == 0
+                                       or ops[i - 1] != {"op": "step", "finalize": True}):
+            return False  # after a clean finalizing step (no metadata probe in it), one stage per rank
     return any(op["op"] == "step" for op in ops)
 
 
@@ -331,8 +382,10 @@ def _render_fsdp(program: dict, keep=None) -> list:
     if head:
         L.append(f"{shard}({head}, mesh=mesh{mp})")
     L.append(f"{shard}(m, mesh=mesh{mp})")
+    if lay.get("root_raf") is not None:  # before the first forward: lazy init keeps it (0002)
+        L.append(f"m.set_reshard_after_forward({lay['root_raf']}, recurse=False)")
     L.append("opt, ref_opt = torch.optim.SGD(m.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)")
-    if want("reductions per group == minimum"):
+    if any(want(c) for c in REDUCTION_CHECKS):
         L.append(f"reductions = Reductions(m, tied={lay['head'] == 'tied'})")
     # Groups the decoder backward does not reach: freed when it runs (contract section 6)
     probe = []
@@ -351,6 +404,8 @@ def _render_fsdp(program: dict, keep=None) -> list:
         L.append(f"{'unreduced = []' if unreduced else 'unreduced = None'}")
         L.append(f"hold_probe(m, held, lambda: [g for x in [{', '.join(probe)}] "
                  "for g in x._get_fsdp_state()._fsdp_param_groups], unreduced)")
+    if lay.get("lazy_init_fails"):
+        L.append("failed_lazy_init(ctx, m)")
     if lay["manual_final"]:
         L.append("m.set_manual_backward_finalization(True)")
     groups = _fsdp_groups(lay)
@@ -386,8 +441,12 @@ def _render_fsdp(program: dict, keep=None) -> list:
                 # no_grad forward, and optimizer.step() updates only the sharded parameters, so the
                 # next forward would train on pre-step weights: reshard() them (findings/gen_b_456.py)
                 L.append("for x in fsdp_modules(m):\n    x.reshard()")
+                if want("forward complete"):
+                    L.append(f'ctx.check("forward complete", not open_forwards(m), f"op {i}: {{open_forwards(m)}}")')
         elif kind == "eval_chunked":  # oracle b: a no_grad chunk loop inside the head's scope
             L.append(f"t, _ = data(99, rank, 0)\neval_chunk_loop(ctx, m, t, {lay['n_chunks']})")
+            if want("forward complete"):
+                L.append(f'ctx.check("forward complete", not open_forwards(m), f"op {i}: {{open_forwards(m)}}")')
             L.append("reshard_body(m)  # 2.15.0: the root keeps its parameters after a no_grad forward")
         elif kind == "state_dict":
             L.append("m.load_state_dict(m.state_dict())")
@@ -399,12 +458,24 @@ def _render_fsdp(program: dict, keep=None) -> list:
     return L
 
 
+#: The checks that need ``genlib_fsdp.Reductions``.
+REDUCTION_CHECKS = ("reductions per group == minimum", "all-reduces per group == minimum", "one debug line per reduction")
+
+
+def _root_trainable(lay: dict) -> bool:
+    """Whether the root's own FSDP group holds trainable parameters (see ``_fsdp_groups``)."""
+    root = lay["blocks"] == "none" or lay["head"] in ("separate", "root")
+    return root or (lay["head"] == "grouped" and not lay["frozen_embed"])
+
+
 def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
     L = []
+    if b and want("bad policy refused"):
+        L.append(f'refuses_bad_policies(ctx, m, "step {step}")')
     if b and want("policy restored"):
         L.append("before = policies(m)")
-    if want("reductions per group == minimum"):
-        L.append("reductions.count.clear()")
+    if any(want(c) for c in REDUCTION_CHECKS):
+        L.append("reductions.clear()")
     if probe:
         L.append("held.clear()")
         if b and want("head reduced before the decoder backward"):
@@ -447,7 +518,17 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
         where = "head forward" if chunk_fail == "forward" else "backward"
         L.append(f"    except InjectedError:  # inside chunk 1's {where} of microbatch 0 (issue 33 point 3)\n"
                  f"        after_failed_chunk_backward(ctx, m, reset={chunk_fail != 'backward_noreset'})")
+    elif (b and op["sync"] == "last" and n_mb >= 2 and drop is None
+          and want("has_pending_gradients() under no-sync")):
+        # a clean step's no-sync microbatches leave every trainable parameter's gradient pending (0011)
+        L.append(f"    if mb < {n_mb - 1}:\n"
+                 '        ctx.check("has_pending_gradients() under no-sync", not pending_everywhere(m), '
+                 f'f"step {step} mb {{mb}}: False on {{pending_everywhere(m)}}")')
     if lay["manual_final"]:
+        if b and _root_trainable(lay) and want("has_pending_gradients() until finalize_backward"):
+            # the root's groups reduce in finalize_backward(): pending until then (0011)
+            L.append('ctx.check("has_pending_gradients() until finalize_backward", m.has_pending_gradients(), '
+                     f'"step {step}: False before finalize_backward()")')
         L.append("m.finalize_backward()")
     if drop is not None:
         # 2.15.0 (fully_shard's docstring): the root and groups that do not reshard after forward keep
@@ -466,8 +547,24 @@ def _render_fsdp_train(lay, op, step, b, groups, n_mb, probe, want) -> list:
         L.append(f"expected = {sorted(reducing * g for g in groups if reducing)}  # reductions of each trainable group")
         L.append('ctx.check("reductions per group == minimum", sorted(reductions.count.values()) == expected, '
                  f'f"step {step}: {{dict(reductions.count)}} vs {{expected}}")')
+    hsdp_like = lay["mesh"] == "hsdp" or lay.get("replicate")
+    if want("all-reduces per group == minimum"):
+        # HSDP and replicate() all-reduce each reduction, but only on the last microbatch under
+        # requires_all_reduce=False before it ("rs_only"); 1-D FSDP never all-reduces (0005)
+        per = 1 if op["sync"] == "rs_only" else reducing
+        L.append(f"expected = {sorted(per * g for g in groups) if reducing and hsdp_like else []}  # all-reduces of each group")
+        L.append('ctx.check("all-reduces per group == minimum", sorted(reductions.all_reduces.values()) == expected, '
+                 f'f"step {step}: {{dict(reductions.all_reduces)}} vs {{expected}}")')
+    if want("one debug line per reduction"):
+        L.append('ctx.check("one debug line per reduction", reductions.logged == reductions.calls, '
+                 f'f"step {step}: {{reductions.logged}} FSDP::post_backward_reduce lines for {{reductions.calls}} reductions")')
     if want("policy restored"):
         L.append('ctx.check("policy restored", policies(m) == before, f"step ' + str(step) + '")')
+    if want("forward complete"):
+        L.append(f'ctx.check("forward complete", not open_forwards(m), f"step {step}: {{open_forwards(m)}}")')
+    if want("has_pending_gradients() after a finalized step"):
+        L.append('ctx.check("has_pending_gradients() after a finalized step", not pending_anywhere(m), '
+                 f'f"step {step}: True on {{pending_anywhere(m)}}")')
     if want("no pending gradients"):
         L.append('ctx.check("no pending gradients", not any(g._post_backward_pending for g in groups(m)), '
                  f'"step {step}")')
@@ -526,6 +623,11 @@ def _render_pp(program: dict, keep=None) -> list:
             else:
                 L.append("with pipe.no_sync_scope():  # requires_gradient_sync=False scopes around the steps")
                 L += [f"    {x}" for x in steps]
+        elif kind == "fail_all":
+            L.append(f"pipe.fail_every_rank({data_step})")
+            if b and idle:
+                L.append(f'pipe.check_idle("op {i}")')
+            data_step += 1
         elif kind == "fail":
             L.append(f"pipe.fail_one_rank({data_step}, {op['where']!r}, {op['stage']}, {op['mb']}, {op['after']!r})")
             data_step += 2

@@ -3,6 +3,8 @@ its unsharded reference and the checks of oracle B. Generated programs and the
 standalone scripts written from them use this file's text verbatim."""
 import collections
 import copy
+import dataclasses
+import logging
 
 import torch
 import torch.nn as nn
@@ -10,6 +12,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401 - used by programs
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
+try:  # oracle a runs on pristine 2.15.0 too, which has no FSDPPolicy
+    from torch.distributed.fsdp import FSDPPolicy
+except ImportError:
+    FSDPPolicy = None
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
@@ -213,25 +219,113 @@ def unsharded_bytes(group_list):
 
 class Reductions:
     """Counts ``foreach_reduce`` calls (one reduction of one group) by group, named by its first
-    parameter; a group tied across both ends of the model (``tok_embeddings``) is not counted: 2.15.0
-    reduces it once or twice per backward depending on the layout."""
+    parameter (``count``), and those that also all-reduce across replicas (``all_reduces``: HSDP,
+    ``replicate()``); a group tied across both ends of the model (``tok_embeddings``) is not counted
+    there: 2.15.0 reduces it once or twice per backward depending on the layout. ``calls`` counts
+    every call (the tied group's too) and ``logged`` the debug lines ``FSDP::post_backward_reduce``
+    of the ``torch.distributed.fsdp.fully_shard`` logger (0023: one per reduction)."""
 
     def __init__(self, m, tied):
-        self.count = collections.Counter()
+        self.count, self.all_reduces = collections.Counter(), collections.Counter()
+        self.calls = self.logged = 0
         orig = _fsdp_param_group.foreach_reduce
 
         def counting(fsdp_params, *args, **kwargs):
             group = next(g for g in groups(m) if any(fp is fsdp_params[0] for fp in g.fsdp_params))
             name = group.fsdp_params[0]._param_fqn
+            self.calls += 1
             if not (tied and name.startswith("tok_embeddings")):
                 self.count[name] += 1
+                # foreach_reduce(fsdp_params, grads, rs group, rs stream, rs comm, reduce dtype,
+                # device, divide factor, all-reduce group, all-reduce stream, all_reduce_grads, ...)
+                if args[7] is not None and args[9]:
+                    self.all_reduces[name] += 1
             return orig(fsdp_params, *args, **kwargs)
 
         _fsdp_param_group.foreach_reduce = counting
+        reductions = self
+
+        class _Lines(logging.Handler):
+            def emit(self, record):
+                if str(record.msg) == "%s" and str(record.args[0]).startswith("FSDP::post_backward_reduce"):
+                    reductions.logged += 1
+
+        log = logging.getLogger("torch.distributed.fsdp.fully_shard")
+        log.setLevel(logging.DEBUG)  # the worker's own handler (on "torch") records WARNING and up only
+        log.addHandler(_Lines(logging.DEBUG))
+
+    def clear(self):
+        self.count.clear()
+        self.all_reduces.clear()
+        self.calls = self.logged = 0
 
 
 def policies(m):
     return [x.get_fsdp_policy() for x in fsdp_modules(m)]
+
+
+#: Invalid policy field values: the value type refuses the first three and 0 (``TypeError``,
+#: ``ValueError``); 3 is a valid ``FSDPPolicy`` but no divisor of any program's shard mesh size,
+#: which ``set_fsdp_policy`` and the scope refuse (``ValueError``).
+BAD_POLICY_FIELDS = [("requires_gradient_sync", 1), ("requires_all_reduce", None),
+                     ("reshard_after_backward", "no"), ("reshard_after_forward", 0),
+                     ("reshard_after_forward", 3)]
+
+
+def refuses_bad_policies(ctx, m, label):
+    """Each of ``BAD_POLICY_FIELDS`` is refused with ``TypeError`` or ``ValueError`` by the value
+    type (except 3), by ``set_fsdp_policy`` and by the ``fsdp_policy`` scope, and no module's
+    policy changes (api.md: bad input raises before anything is changed)."""
+    before = policies(m)
+    for field, value in BAD_POLICY_FIELDS:
+        def scope():
+            with m.fsdp_policy(**{field: value}, recurse=True):
+                pass
+        calls = [("set_fsdp_policy", lambda: m.set_fsdp_policy(
+            dataclasses.replace(m.get_fsdp_policy(), **{field: value}), recurse=True)), ("fsdp_policy", scope)]
+        if value != 3:
+            calls.append(("FSDPPolicy", lambda: FSDPPolicy(**{field: value})))
+        for how, call in calls:
+            try:
+                call()
+                raised = None
+            except (TypeError, ValueError) as exc:
+                raised = exc
+            ctx.check("bad policy refused", raised is not None, f"{label}: {how}({field}={value!r}) was accepted")
+    ctx.check("bad policy refused", policies(m) == before, f"{label}: a refused policy changed {before} to {policies(m)}")
+
+
+def pending_everywhere(m):
+    """FSDP modules with trainable parameters whose ``has_pending_gradients()`` is False."""
+    return [type(x).__name__ for x in fsdp_modules(m)
+            if any(p.requires_grad for p in x.parameters()) and not x.has_pending_gradients()]
+
+
+def pending_anywhere(m):
+    """FSDP modules whose ``has_pending_gradients()`` (either ``recurse``) is True."""
+    return [f"{type(x).__name__}(recurse={r})" for x in fsdp_modules(m) for r in (True, False)
+            if x.has_pending_gradients(recurse=r)]
+
+
+def open_forwards(m):
+    """FSDP modules whose group still waits for some of its modules' forwards (a grouped forward
+    that neither completed nor was finished by ``finish_forward``)."""
+    return [type(x).__name__ for x in fsdp_modules(m) if x._get_fsdp_state()._modules_to_run_forward]
+
+
+def failed_lazy_init(ctx, m):
+    """A first forward whose lazy initialization raises (manual finalization set on a module that is
+    not the root: "must be called on the root"), ``reset_iter_state()`` (0012: a no-op returning the
+    root to idle), the cause fixed: the program then trains as if it had not happened."""
+    sub = next(x for x in fsdp_modules(m) if x is not m)
+    sub.set_manual_backward_finalization(True)
+    try:
+        m(data(0, 0, 0)[0])
+        ctx.check("lazy init refused", False, "a forward with manual finalization on a non-root module ran")
+    except RuntimeError as exc:
+        ctx.check("lazy init refused", "root" in str(exc), f"{type(exc).__name__}: {str(exc)[:160]}")
+    m.reset_iter_state()
+    sub.set_manual_backward_finalization(False)
 
 
 def unreduced_grad_bytes(group_list):

@@ -248,6 +248,32 @@ class Pipe:
             finally:
                 self.nosync = False
 
+    # ---- a step that fails on every rank ----
+    def fail_every_rank(self, step):
+        """Step ``step`` with stage 0's forward raising at microbatch 1 and the last stage's at
+        microbatch 0 (one stage per rank: GPipe, 1F1B), so that every rank raises after stage 0's
+        first send completed (the peer received it; the step had not waited on it). Then, on
+        every rank, ``acknowledge_failed_step(all_ranks_failed=True)``, ``zero_grad()`` and the
+        retry of the step, which must run like a clean step (the reference trains it once):
+        completed sends are not "in flight" (0021)."""
+        for i, mod in zip(self.idx, self.mods):
+            mod.fail_at, mod.calls = (1 if i == 0 else 0), 0
+        try:
+            self.run(step, ref=False)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - the failure under test
+            raised = exc
+        finally:
+            for mod in self.mods:
+                mod.fail_at = None
+        injected = raised
+        while injected is not None and not isinstance(injected, InjectedError):
+            injected = injected.__cause__ or injected.__context__
+        self.ctx.check("every-rank failure raised", injected is not None, f"step {step}: {raised!r}"[:200])
+        self.schedule.acknowledge_failed_step(all_ranks_failed=True)
+        self.zero_grad()
+        self.run(step)
+
     # ---- a step that fails on one rank only ----
     def _timed(self, label, fn):
         """Calls ``fn``; records its outcome and whether it ended within ``FAST_S`` (the hang
