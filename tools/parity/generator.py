@@ -435,12 +435,14 @@ def _render_fsdp(program: dict, keep=None) -> list:
             L.append(f"t, _ = data(99, rank, 0)\nwith {ctx_mgr}:\n    ctx.tensor(\"eval\", {out})")
             if emulate:  # what 0013 does when a forward-only iteration ends, on any torch
                 L.append("drop_post_forward_order(m, start)")
+            # 2.15.0 (fully_shard's docstring): a group that does not reshard after forward (the
+            # root's, reshard_after_forward False or an int) keeps the gathered values after a
+            # forward without backward, and optimizer.step() updates only the sharded parameters, so
+            # the next forward would train on pre-step weights: reshard() them (findings/gen_b_456.py;
+            # oracle a too since 2026-12-05: a.119, 134, 172 failed their gradient checks on both
+            # torches, which keeps rule a.fsdp.0013-post-forward-order from excusing them)
+            L.append("for x in fsdp_modules(m):\n    x.reshard()")
             if b:
-                # 2.15.0 (fully_shard's docstring): a group that does not reshard after forward (the
-                # root's, reshard_after_forward False or an int) keeps the gathered values after a
-                # no_grad forward, and optimizer.step() updates only the sharded parameters, so the
-                # next forward would train on pre-step weights: reshard() them (findings/gen_b_456.py)
-                L.append("for x in fsdp_modules(m):\n    x.reshard()")
                 if want("forward complete"):
                     L.append(f'ctx.check("forward complete", not open_forwards(m), f"op {i}: {{open_forwards(m)}}")')
         elif kind == "eval_chunked":  # oracle b: a no_grad chunk loop inside the head's scope

@@ -74,12 +74,15 @@ class Stage(nn.Module):
         self.head = full.head if i == n - 1 else None
         self.fail_at = None  # raise InjectedError at this forward call (counted from 0), then reset
         self.calls = 0
+        self.before_fail = None  # called just before that raise
 
     def forward(self, x):
         if self.fail_at is not None:
             self.calls += 1
             if self.calls - 1 == self.fail_at:
                 self.fail_at = None
+                if self.before_fail is not None:
+                    self.before_fail()
                 raise InjectedError("injected in a stage forward (one rank only)")
         if self.embed is not None:
             x = self.embed(x)
@@ -255,9 +258,17 @@ class Pipe:
         first send completed (the peer received it; the step had not waited on it). Then, on
         every rank, ``acknowledge_failed_step(all_ranks_failed=True)``, ``zero_grad()`` and the
         retry of the step, which must run like a clean step (the reference trains it once):
-        completed sends are not "in flight" (0021)."""
+        completed sends are not "in flight" (0021). Stage 0 raises only once the last stage of
+        its pipeline raised (the store, not gloo), so its send has been received by then: a send
+        still unreceived when a rank raises is in flight, and the series refuses the retry."""
+        store = dist.distributed_c10d._get_default_store()
+        key = f"fail-every-rank-{step}-{self.dp_rank}"
         for i, mod in zip(self.idx, self.mods):
             mod.fail_at, mod.calls = (1 if i == 0 else 0), 0
+            if i == 0:
+                mod.before_fail = lambda: store.wait([key], datetime.timedelta(seconds=3 * FAIL_TIMEOUT_S))
+            else:
+                mod.before_fail = lambda: store.set(key, "1")
         try:
             self.run(step, ref=False)
             raised = None
@@ -265,7 +276,7 @@ class Pipe:
             raised = exc
         finally:
             for mod in self.mods:
-                mod.fail_at = None
+                mod.fail_at, mod.before_fail = None, None
         injected = raised
         while injected is not None and not isinstance(injected, InjectedError):
             injected = injected.__cause__ or injected.__context__

@@ -531,6 +531,29 @@ def _api_errors(ctx):
 register("fsdp.api_errors", _api_errors)
 
 
+def _reshard_after_forward_values(ctx):
+    """``reshard_after_forward`` values on a 1-D mesh of 4 (fully_shard and the setter): 3 and 0
+    raise, 1 and 4 are normalized, 2 reshards to pairs; then a root given
+    ``set_reshard_after_forward(True)`` before its first forward, which lazy initialization keeps
+    (its all-gathers show it)."""
+    for value in (3, 0, 5, "2", 1, 4, 2):
+        ctx.phase(f"fully_shard(reshard_after_forward={value!r})")
+        ctx.expect(lambda v=value: fully_shard(nn.Linear(DIM, DIM), reshard_after_forward=v) and None)
+    model = fsdp_net(ctx, head="separate")
+    for value in (3, 2):
+        ctx.phase(f"set_reshard_after_forward({value!r})")
+        ctx.expect(model.set_reshard_after_forward, value)
+        ctx.public_state(model)
+    train(ctx, model, sgd(model), steps=1)
+    model = fsdp_net(ctx, head="separate")
+    ctx.phase("root set_reshard_after_forward(True) before the first forward")
+    ctx.expect(model.set_reshard_after_forward, True, recurse=False)
+    train(ctx, model, sgd(model), steps=2)
+
+
+register("fsdp.reshard_after_forward.values", _reshard_after_forward_values, world=4)
+
+
 # ---------------------------------------------------------------- HSDP, replicate(), DDP
 def _hsdp(ctx, head="separate", rafs=True, accumulate=False):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
