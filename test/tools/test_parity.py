@@ -94,6 +94,45 @@ def test_allowlisted_diff_passes_and_stale_entry_fails():
     assert "remove the entry" not in lines[0].lower() and "delete" not in lines[0].lower()
 
 
+def test_pinned_collectives_catch_a_changed_intended_difference(tmp_path):
+    """Issue 32: an entry that pins a scenario's collectives (``collectives_pinned``) allows that
+    intended difference only: one all-gather more than pinned (mutant 0016's extra all-gathers at an
+    eval() between accumulation steps) fails, naming the counts; an unpinned scenario of the same
+    entry is judged as before; ``--pin-collectives`` writes the pins of scenarios whose totals agree
+    between runs and leaves those that vary unpinned."""
+    a, b, more = obs(AG, AG, RS), obs(AG, RS), obs(AG, RS, AG)
+    entry = {"scenario": "pp.*.eval_step", "reason": "fewer all-gathers", "patch": "0016-x.patch",
+             "may_differ": ["collectives"], "collectives_pinned": {"pp.gpipe.eval_step": {
+                 "all_gather_single": 2, "reduce_scatter_single": 2}}}
+    lines, _, failed = run({"pp.gpipe.eval_step": a}, {"pp.gpipe.eval_step": b}, entries=[entry])
+    assert not failed and "allowlisted: 0016-x.patch" in lines[0]
+    lines, _, failed = run({"pp.gpipe.eval_step": obs(AG)}, {"pp.gpipe.eval_step": more}, entries=[entry])
+    moved = lines[0].split("(all ranks): ", 1)[1].split(";", 1)[0]
+    assert failed and moved == "all_gather_single 4 (pinned 2)"
+    assert "delete" not in lines[0].lower() and "remove" not in lines[0].lower()
+    lines, _, failed = run({"pp.1f1b.eval_step": obs(AG)}, {"pp.1f1b.eval_step": more}, entries=[entry])
+    assert not failed  # not pinned
+    # the loader checks the pins
+    path = tmp_path / "allowlist.json"
+    for bad, match in (({**entry, "may_differ": ["state"]}, "without 'collectives'"),
+                       ({**entry, "collectives_pinned": {"fsdp.x": {}}}, "does not match"),
+                       ({**entry, "collectives_pinned": {"pp.gpipe.eval_step": {"x": -1}}}, "counts")):
+        path.write_text(json.dumps({"entries": [bad]}))
+        with pytest.raises(ValueError, match=match):
+            runner.load_allowlist(str(path))
+    # writing pins from two runs: the varying scenario stays unpinned
+    path.write_text(json.dumps({"entries": [{k: v for k, v in entry.items() if k != "collectives_pinned"}]}))
+    runs = []
+    for i, extra in enumerate(([], [AG])):
+        raw = tmp_path / f"raw{i}.json"
+        raw.write_text(json.dumps({"results": {"pp.gpipe.eval_step": b, "pp.v.eval_step": obs(RS, *extra)}}))
+        runs.append(str(raw))
+    assert runner.main(["--pristine-python", "x", "--patched-python", "x", "--allowlist", str(path),
+                        "--pin-collectives", *runs]) == 0
+    pinned = runner.load_allowlist(str(path))[0]["collectives_pinned"]
+    assert pinned == {"pp.gpipe.eval_step": {"all_gather_single": 2, "reduce_scatter_single": 2}}
+
+
 def _grads(scale=1.0, bits="h1"):
     return ("grads", {"w": f"(4,):float32:{bits}"}, {"w": [1.0 * scale, 2.0 * scale, 0.5 * scale]})
 

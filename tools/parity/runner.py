@@ -169,7 +169,8 @@ RTOL = 1e-4  # of the tensor's l2 norm times sqrt(numel): summation order, not a
 
 
 def load_allowlist(path: str) -> list:
-    """Entries ``{"scenario": name or glob, "reason", "patch", "may_differ": [kinds]}``, all required."""
+    """Entries ``{"scenario": name or glob, "reason", "patch", "may_differ": [kinds]}``, all required;
+    optionally ``"collectives_pinned": {scenario: {collective: count}}`` (see ``compare_allowing``)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -185,7 +186,57 @@ def load_allowlist(path: str) -> list:
             raise ValueError(f"allowlist entry {entry['scenario']!r}: may_differ {unknown} not among {sorted(KINDS)}")
         if "rounding" in entry["may_differ"] and "numbers" in entry["may_differ"]:
             raise ValueError(f"allowlist entry {entry['scenario']!r}: 'numbers' already compares with the reference")
+        pins = entry.get("collectives_pinned")
+        if pins is not None:
+            if "collectives" not in entry["may_differ"]:
+                raise ValueError(f"allowlist entry {entry['scenario']!r}: collectives_pinned without 'collectives' "
+                                 "in may_differ")
+            for name, counts in pins.items():
+                if not fnmatch.fnmatchcase(name, entry["scenario"]):
+                    raise ValueError(f"allowlist entry {entry['scenario']!r}: pinned scenario {name!r} does not match it")
+                if not isinstance(counts, dict) or not all(isinstance(v, int) and v >= 0 for v in counts.values()):
+                    raise ValueError(f"allowlist entry {entry['scenario']!r}: pin of {name!r} must map collectives "
+                                     "to counts")
     return entries
+
+
+def collective_totals(obs: dict) -> dict:
+    """Collective and P2P calls of an observation by function, summed over its ranks."""
+    total = collections.Counter()
+    for r in (obs or {}).get("ranks", []):
+        total += _collective_counts(_canon(r.get("events", [])))
+    return dict(sorted(total.items()))
+
+
+def pin_collectives(entries: list, raws: list) -> tuple:
+    """``(pinned, varying)``: pins each scenario that an entry allowing ``collectives`` matches to
+    the patched torch's collective totals in ``raws`` (worker results of the same torch), if they
+    agree in every run; ``varying`` lists the scenarios whose totals differ between runs, which
+    stay unpinned, as do those an entry lists in ``collectives_unpinned`` (scenario: why its calls
+    may vary, e.g. which sends a rank posts before a failure reaches it). Changes ``entries`` in
+    place."""
+    names = [n for n in raws[0]["results"] if all(n in r["results"] for r in raws[1:])]
+    pinned, varying = 0, []
+    for entry in entries:
+        if "collectives" not in entry["may_differ"]:
+            continue
+        pins = {}
+        for name in names:
+            if not fnmatch.fnmatchcase(name, entry["scenario"]) or allowlisted(name, entries) is not entry:
+                continue
+            if name in entry.get("collectives_unpinned", {}):  # {scenario: why its calls may vary}
+                continue
+            totals = [collective_totals(r["results"][name]) for r in raws]
+            if all(t == totals[0] for t in totals[1:]):
+                pins[name] = totals[0]
+            else:
+                varying.append(name)
+        if pins:
+            entry["collectives_pinned"] = pins
+            pinned += len(pins)
+        else:
+            entry.pop("collectives_pinned", None)
+    return pinned, varying
 
 
 def allowlisted(name: str, entries: list):
@@ -248,14 +299,24 @@ def kinds_differing(a: dict, b: dict) -> list:
     return [k for k in KINDS if k in out]
 
 
-def compare_allowing(a: dict, b: dict, entry: dict):
+def compare_allowing(a: dict, b: dict, entry: dict, name: str = None):
     """The first difference between 2.15.0's observation ``a`` and the patched ``b`` that ``entry``
     does not allow, or None: the allowed kinds are left out of both event streams, numbers compare
     within tolerance under ``rounding``, and under ``numbers`` the patched torch's reference records
-    must all be ``ok`` (and exist)."""
+    must all be ``ok`` (and exist). Where the entry pins scenario ``name``'s collectives
+    (``collectives_pinned``), the patched torch's totals per collective must equal the pin: the
+    entry allows that intended difference, not any other."""
     allowed = set(entry["may_differ"])
     if a is None or b is None:
         return "missing on the " + ("pristine" if a is None else "patched") + " side"
+    pin = entry.get("collectives_pinned", {}).get(name) if "collectives" in allowed else None
+    if pin is not None:
+        totals = collective_totals(b)
+        moved = [f"{k} {totals.get(k, 0)} (pinned {pin.get(k, 0)})" for k in sorted(set(pin) | set(totals))
+                 if totals.get(k, 0) != pin.get(k, 0)]
+        if moved:
+            return ("the patched torch's collectives moved from the ones this entry pins (all ranks): "
+                    + ", ".join(moved) + "; a change of the intended difference itself, find which")
     ranks_b = b.get("ranks", [])
     if "numbers" in allowed:
         refs = [(rank, e) for rank, r in enumerate(ranks_b) for e in r.get("events", []) if e and e[0] == "ref"]
@@ -334,7 +395,7 @@ def evaluate(pristine_runs: list, patched: dict, entries: list):
         elif diff:
             differing = kinds_differing(a, b) if a is not None and b is not None else []
             use["kinds"].update(differing)
-            beyond = compare_allowing(a, b, entry)
+            beyond = compare_allowing(a, b, entry, name)
             status = "DIFF"
             if beyond:
                 failed = True
@@ -425,7 +486,27 @@ def main(argv=None) -> int:
                         help="torches run at the same time (each forks its scenario's ranks)")
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
     parser.add_argument("--allowlist", default=ALLOWLIST)
+    parser.add_argument("--pin-collectives", nargs="+", metavar="RAW",
+                        help="pin, in the allowlist, the collectives of the allowlisted scenarios to those of "
+                             "these patched worker results (e.g. results/raw-patched.json and a second run's); "
+                             "runs nothing else")
     args = parser.parse_args(argv)
+    if args.pin_collectives:
+        entries = load_allowlist(args.allowlist)
+        raws = []
+        for path in args.pin_collectives:
+            with open(path) as f:
+                raws.append(json.load(f))
+        pinned, varying = pin_collectives(entries, raws)
+        with open(args.allowlist) as f:
+            data = json.load(f)
+        data["entries"] = entries
+        with open(args.allowlist, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        print(f"pinned the collectives of {pinned} scenario(s) in {args.allowlist}; left unpinned (they vary "
+              f"between the {len(raws)} runs): {', '.join(varying) or 'none'}")
+        return 0
     if args.list:
         cmd = [args.patched_python, WORKER, "--list"] + [x for p in args.patterns for x in ("-k", p)]
         return subprocess.run(cmd, cwd=HERE).returncode
