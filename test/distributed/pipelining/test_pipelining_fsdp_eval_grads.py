@@ -6,16 +6,20 @@ accumulation steps, for FSDP stages and plain containers of FSDP blocks.
 
 Gloo on CPU; gradients are compared with a single-process reference over
 several optimizer steps. The model, schedules and helpers are those of
-test_pipelining_fsdp_step.py.
+test_pipelining_fsdp_step.py; the world-4 accumulation test below, which also
+counts the all-gathers of the evaluation (the metadata probe resets nothing
+while gradients are pending), uses test_pipelining_fsdp_lifecycle.py's.
 """
 
 import torch
+from torch.distributed.fsdp import FSDPPolicy
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
 )
 
+from test_pipelining_fsdp_lifecycle import PipelineBuild, PipelineFSDPTestBase
 from test_pipelining_fsdp_step import (
     NUM_MICROBATCHES,
     _Base,
@@ -75,6 +79,51 @@ class TestPipelineSharedParameters(_Base):
 
 
 instantiate_parametrized_tests(TestPipelineSharedParameters)
+
+
+class TestPipeliningFSDPEvalBetweenAccumulationSteps(PipelineFSDPTestBase):
+    def test_probe_resets_nothing_while_gradients_are_pending(self):
+        """
+        ``step(finalize_gradients=False)``, ``eval()``, ``eval()``, ``step()``
+        per optimizer step: the first ``eval()`` switches from training and
+        reruns metadata inference, whose FSDP reset must not run while the
+        accumulation is pending (it would discard the root's iteration state
+        and all-gather the root again), so it all-gathers exactly what the
+        second ``eval()`` (no switch, no probe) does; the accumulated
+        gradients equal the reference's (0022: eval() leaves them unscaled).
+        World 4 (PP2 x DP2) with the chunked loss of
+        test_pipelining_fsdp_lifecycle.py; the grouped head completes its
+        forward with ``finish_forward``, so both evaluations start from the
+        same residency (with the reset, the first all-gathers the stage module
+        once more).
+        """
+        self.run_subtests(
+            {"schedule_name": ["gpipe", "1f1b"], "head": ["grouped"]},
+            self._test_eval_between_accumulation_steps,
+        )
+
+    def _test_eval_between_accumulation_steps(self, schedule_name: str, head: str):
+        build = PipelineBuild(self.rank, schedule_name, head, False, FSDPPolicy())
+        build.step(0)
+        build.check_grads_and_update(self)
+        for it in range(2):
+            build.step(1 + 3 * it, finalize_gradients=False)
+            all_gathers = []
+            for data_step in (2 + 3 * it, 100 + it):
+                args, kwargs = build.schedule_inputs(data_step)
+                build.counter.reset()
+                with build.counter.count(), torch.no_grad():
+                    build.schedule.eval(*args, **kwargs)
+                all_gathers.append(build.counter["all_gather"])
+            self.assertEqual(
+                all_gathers[0],
+                all_gathers[1],
+                msg=f"{schedule_name} {head} rank {self.rank}: all-gathers of the "
+                "eval() after step(finalize_gradients=False) vs the next eval()",
+            )
+            build.step(3 + 3 * it)
+            self._check_loss(build)
+            build.check_grads_and_update(self)
 
 
 if __name__ == "__main__":
